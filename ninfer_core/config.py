@@ -1,0 +1,119 @@
+"""Serve options: one dataclass shared by the CLI, the engine and the HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineOptions:
+    max_context: int = 8192
+    kv_capacity: int | None = None  # tokens; None follows max_context
+    max_concurrency: int = 1  # 1..8 lanes
+    max_pending_requests: int = 16
+    pending_timeout_ms: int = 600_000
+    prefill_chunk: int = 1024
+    decode_rounds_per_prefill: int = 0  # 0 = prefill_chunk // 64
+    default_max_tokens: int | None = None
+    kv_dtype: str = "bf16"
+    device: str = "cpu"
+    # process-level sampling overrides (None = model preset)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    greedy: bool = False
+
+    def resolved_kv_capacity(self) -> int:
+        return self.kv_capacity if self.kv_capacity is not None else self.max_context
+
+    def resolved_decode_rounds(self) -> int:
+        return self.decode_rounds_per_prefill or max(1, self.prefill_chunk // 64)
+
+
+@dataclass
+class ServeOptions:
+    artifact: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    model_id: str | None = None
+    cors: bool = False
+    chat_template: str | None = None
+    no_thinking: bool = False
+    preserve_thinking: bool = False
+    max_request_mib: int = 384
+    log_level: str = "info"
+    usage_chunk_choice: bool = False
+    plugins: list[str] = field(default_factory=list)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+
+def _positive(lo: int, hi: int | None = None):
+    def parse(s: str) -> int:
+        v = int(s)
+        if v < lo or (hi is not None and v > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be in {rng}, got {v}")
+        return v
+
+    return parse
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", nargs="?", help="the .ninfer artifact (default: the embedded small model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model-id", default=None)
+    p.add_argument("--cors", action="store_true")
+    p.add_argument("--chat-template", default=None, metavar="FILE")
+    p.add_argument("--no-thinking", action="store_true")
+    p.add_argument("--preserve-thinking", action="store_true")
+    p.add_argument("--max-request-mib", type=_positive(1), default=384)
+    p.add_argument("--log-level", default="info",
+                   choices=["trace", "debug", "info", "warning", "error", "critical", "off"])
+    p.add_argument("--usage-chunk-choice", action="store_true")
+    p.add_argument("--plugin", action="append", default=[], metavar="NAME",
+                   help="load only this plugin (repeatable); a dotted module path loads that module")
+    p.add_argument("--max-context", type=_positive(1), default=8192)
+    p.add_argument("--kv-capacity", type=_positive(1), default=None)
+    p.add_argument("--max-concurrency", type=_positive(1, 8), default=1)
+    p.add_argument("--max-pending-requests", type=_positive(0), default=16)
+    p.add_argument("--pending-timeout-ms", type=_positive(1), default=600_000)
+    p.add_argument("--prefill-chunk", type=_positive(1), default=1024)
+    p.add_argument("--decode-rounds-per-prefill", type=_positive(0), default=0)
+    p.add_argument("--default-max-tokens", type=_positive(1), default=None)
+    p.add_argument("--kv-dtype", default="bf16")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=_positive(0, 20), default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--greedy", action="store_true")
+
+
+def options_from_args(a: argparse.Namespace) -> ServeOptions:
+    eng = EngineOptions(
+        max_context=a.max_context, kv_capacity=a.kv_capacity, max_concurrency=a.max_concurrency,
+        max_pending_requests=a.max_pending_requests, pending_timeout_ms=a.pending_timeout_ms,
+        prefill_chunk=a.prefill_chunk, decode_rounds_per_prefill=a.decode_rounds_per_prefill,
+        default_max_tokens=a.default_max_tokens, kv_dtype=a.kv_dtype, device=a.device,
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+        seed=a.seed, greedy=a.greedy,
+    )
+    return ServeOptions(
+        artifact=a.artifact, host=a.host, port=a.port, api_key=a.api_key, model_id=a.model_id,
+        cors=a.cors, chat_template=a.chat_template, no_thinking=a.no_thinking,
+        preserve_thinking=a.preserve_thinking, max_request_mib=a.max_request_mib,
+        log_level=a.log_level, usage_chunk_choice=a.usage_chunk_choice, plugins=list(a.plugin),
+        engine=eng,
+    )

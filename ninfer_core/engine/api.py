@@ -1,0 +1,98 @@
+"""The engine-client interface: what the HTTP side sees of an Engine.
+
+Protocols never touch scheduler internals: they build a GenerationRequest, `submit` it, read
+EngineEvents from the handle (async), and `cancel` on disconnect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+
+class EngineError(Exception):
+    """A request-level failure with its HTTP mapping (status, code, param)."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+        self.type = type_ or _default_type(status)
+
+
+def _default_type(status: int) -> str:
+    if status == 429:
+        return "server_overloaded"
+    if status >= 500:
+        return "service_unavailable" if status == 503 else "server_error"
+    return "invalid_request_error"
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = the 20-candidate cap; values above 20 are clamped to 20
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # signed 64-bit; None draws a fresh one
+    greedy: bool = False  # exact argmax (also implied by temperature == 0)
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: the default output limit (spec "Default output limit")
+    stop: list[str] = field(default_factory=list)  # up to four non-empty strings
+    ignore_eos: bool = False
+    request_id: str = ""
+    deadline: float | None = None  # time.monotonic() by which admission must happen (pending timeout)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class EngineEvent:
+    """kind: "admitted" | "delta" | "finish" | "error".
+
+    delta: `token_ids` committed and `text` (their decoded text, stop strings withheld).
+    finish: `finish_reason` "stop" | "length" (| "cancelled"), `usage`, `timings`,
+            `stop_reason` detail ("eos", "stop_string", "max_tokens", "context").
+    error: `error` is an EngineError.
+    """
+
+    kind: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    usage: Usage | None = None
+    timings: dict | None = None
+    error: EngineError | None = None
+
+
+class RequestHandle(Protocol):
+    request_id: str
+
+    def events(self) -> AsyncIterator[EngineEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request. Raises EngineError at once for overload (429 server_overloaded) and
+        for prompts that can never fit (400 context_length_exceeded)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and pool occupancy (lanes, pages, slots, pending)."""
+
+    def default_output_limit(self, prompt_tokens: int) -> int:
+        """The output budget a request that names none would receive."""

@@ -1,0 +1,74 @@
+"""Every NInfer hook spec. Plugins implement these with `@ninfer_core.hookimpl`.
+
+Registration hooks receive a `register` callback (llm style): the host sees every registration,
+refuses a second one under a taken name (naming both packages), and resolves exactly one
+implementation by name when a flag or an artifact asks for it. Targets are given lazily as
+"module:attribute" strings so that importing a plugin never imports torch kernels or CUDA.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("ninfer")
+
+
+@hookspec
+def ninfer_register_model_families(register):
+    """Register model families: `register(name, target, architectures=[...])`.
+
+    Called once when the host first needs a model family. `target` is "module:Class" of a
+    `ninfer_core.engine.model_api.ModelFamily`; `architectures` are the artifact `architecture`
+    strings (and HF `model_type`s) it serves. The artifact's architecture picks the family; two
+    families claiming one architecture is a registration error.
+    """
+
+
+@hookspec
+def ninfer_register_spec_backends(register):
+    """Register speculative backends: `register(name, target)`; `--spec NAME` picks one.
+
+    Called once at startup when `--spec` is given. A backend reaches the model family only
+    through the model-family contract (hidden states, verify forward, commit/rollback).
+    """
+
+
+@hookspec
+def ninfer_register_kv_dtypes(register):
+    """Register KV-cache storage formats: `register(name, target)`; `--kv-dtype NAME` picks one.
+
+    `target` is "module:Class" of a `ninfer_core.engine.kv.KVDtype`. bf16 is built in and
+    registered through this same hook.
+    """
+
+
+@hookspec
+def ninfer_register_vision_residencies(register):
+    """Register vision-tower residencies: `register(name, target)`; `--vision-residency NAME` picks one."""
+
+
+@hookspec
+def ninfer_register_prefix_caches(register):
+    """Register prefix-cache implementations: `register(name, target)`; server flags pick one.
+
+    The checkpoint catalog is the default once it exists; `none` is always available.
+    """
+
+
+@hookspec
+def ninfer_register_protocols(register):
+    """Register API protocols: `register(name, target)`.
+
+    `target` is "module:attribute" of an object with `mount(router, ctx)` that adds its routes
+    to the FastAPI router it is given (see `ninfer_core.server.app`). Every enabled protocol is
+    mounted; two protocols mounting the same method and path is an error at startup.
+    """
+
+
+@hookspec(firstresult=True)
+def ninfer_default_artifact(cache_dir):
+    """Return the path of an artifact `ninfer serve` uses when no artifact is named, or None.
+
+    Called only when serve has no artifact argument; the first non-None answer wins. A model
+    family plugin may build a small model deterministically into `cache_dir` on first use.
+    """
