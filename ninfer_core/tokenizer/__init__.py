@@ -1,1 +1,5 @@
-"""ninfer_core.tokenizer."""
+"""ninfer_core.tokenizer: byte-level BPE tokenizer, chat templates and the reasoning splitter."""
+
+from ninfer_core.tokenizer.bpe import Tokenizer, TokenizerError
+
+__all__ = ["Tokenizer", "TokenizerError"]

@@ -1,0 +1,122 @@
+"""Streaming split of generated text into the reasoning and content channels (<think>/</think>).
+
+Rules (spec, "OpenAI Chat Completions"):
+- Reasoning is open from the start when the prompt ended inside a think block (in_reasoning=True),
+  or when the output begins with "<think>". One "\\n" right after the opening belongs to the format.
+- Reasoning closes only at a "</think>" followed by whitespace or the end of output; a marker the
+  model quotes while reasoning (followed by anything else) stays reasoning text.
+- The "\\n\\n" (or single "\\n") right after the closing marker belongs to the format, not the content.
+- After reasoning closes, everything is content, including any further markers.
+Only a suffix that may still become a marker (or the format newlines around one) is held back;
+finish() flushes it.
+"""
+
+from __future__ import annotations
+
+OPEN = "<think>"
+CLOSE = "</think>"
+_CLOSE_FOLLOWERS = frozenset(" \t\r\n\f\v")
+
+_START, _REASONING_START, _REASONING, _AFTER_CLOSE, _CONTENT = range(5)
+
+
+class ReasoningSplitter:
+    """Feed generated text chunks; get ("reasoning"|"content", text) pieces in output order."""
+
+    def __init__(self, in_reasoning: bool):
+        self._state = _REASONING_START if in_reasoning else _START
+        self._buf = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far leaves the output inside the reasoning block."""
+        return self._state in (_REASONING_START, _REASONING)
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._buf += text
+        out: list[tuple[str, str]] = []
+        self._run(out, final=False)
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self._run(out, final=True)
+        return out
+
+    @staticmethod
+    def _emit(out: list, kind: str, text: str) -> None:
+        if not text:
+            return
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+
+    def _run(self, out: list, final: bool) -> None:
+        while True:
+            buf = self._buf
+            state = self._state
+            if state == _START:
+                if buf.startswith(OPEN):
+                    self._buf = buf[len(OPEN):]
+                    self._state = _REASONING_START
+                elif OPEN.startswith(buf) and not final:
+                    return
+                else:
+                    self._state = _CONTENT
+            elif state == _REASONING_START:
+                if not buf:
+                    return
+                if buf[0] == "\n":
+                    self._buf = buf[1:]
+                self._state = _REASONING
+            elif state == _REASONING:
+                if self._scan_reasoning(out, final):
+                    return
+            elif state == _AFTER_CLOSE:
+                if buf.startswith("\n\n"):
+                    self._buf = buf[2:]
+                elif buf == "\n" and not final:
+                    return
+                elif buf.startswith("\n"):
+                    self._buf = buf[1:]
+                elif not buf and not final:
+                    return
+                self._state = _CONTENT
+            else:
+                self._emit(out, "content", buf)
+                self._buf = ""
+                return
+
+    def _scan_reasoning(self, out: list, final: bool) -> bool:
+        """Emit reasoning up to a closing marker; True when waiting for more text."""
+        buf = self._buf
+        start = 0
+        while True:
+            idx = buf.find(CLOSE, start)
+            if idx < 0:
+                break
+            after = idx + len(CLOSE)
+            if after == len(buf):
+                self._emit(out, "reasoning", buf[:idx])
+                if final:
+                    self._buf = ""
+                    self._state = _CONTENT
+                    return False
+                self._buf = buf[idx:]
+                return True
+            if buf[after] in _CLOSE_FOLLOWERS:
+                self._emit(out, "reasoning", buf[:idx])
+                self._buf = buf[after:]
+                self._state = _AFTER_CLOSE
+                return False
+            start = idx + 1
+        hold = 0
+        if not final:
+            for k in range(min(len(CLOSE) - 1, len(buf)), 0, -1):
+                if buf.endswith(CLOSE[:k]):
+                    hold = k
+                    break
+        self._emit(out, "reasoning", buf[: len(buf) - hold])
+        self._buf = buf[len(buf) - hold:]
+        return True
