@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print an artifact's manifest summary")
     i.add_argument("artifact")
     i.add_argument("--json", action="store_true", help="print the whole manifest as JSON (tokenizer ranks elided)")
+    i.add_argument("--verify", action="store_true", help="check every tensor's CRC32 (reads the whole file)")
+    i.add_argument("--no-progress", action="store_true")
 
     pl = sub.add_parser("plugins", help="list discovered plugins and what they register")
     pl.add_argument("--plugin", action="append", default=[], metavar="NAME")
