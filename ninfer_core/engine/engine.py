@@ -1,0 +1,330 @@
+"""The Engine: one worker thread that owns every model call for one loaded model.
+
+Each loop iteration is a boundary (cancellations, queue timeouts, admission), then decode rounds
+over every decode-ready lane as one batched forward, then one prefill chunk of the staged lane.
+`submit`, `cancel` and `snapshot` only touch bookkeeping under the engine lock, so the HTTP event
+loop never waits on a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from ninfer_core.config import EngineOptions
+from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
+from ninfer_core.engine.budget import BudgetPolicy
+from ninfer_core.engine.detok import OutputText
+from ninfer_core.engine.model_api import PAGE_SIZE, ModelRunner, SeqView
+from ninfer_core.engine.pages import PagePool, pages_for
+from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus
+from ninfer_core.engine.sampler import SamplerState, sample
+from ninfer_core.engine.scheduler import Scheduler
+from ninfer_core.engine.slots import SlotPool
+
+log = logging.getLogger("ninfer.engine")
+
+COUNTERS = ("requests_completed", "requests_cancelled", "requests_rejected", "requests_timed_out",
+            "requests_failed", "prompt_tokens_total", "generated_tokens_total")
+
+
+class Engine:
+    """Serves GenerationRequests on one ModelRunner; see `ninfer_core.engine.api.EngineClient`."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions):
+        if not 1 <= options.max_concurrency <= 8:
+            raise ValueError(f"max_concurrency must be in 1..8, got {options.max_concurrency}")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.options = options
+        self.page_size = PAGE_SIZE
+        self.pool_pages = pages_for(options.resolved_kv_capacity(), self.page_size)
+        self.cache_spec = runner.cache_spec()
+        runner.allocate_cache(self.pool_pages, options.max_concurrency, self.page_size)
+        self.scheduler = Scheduler(options.max_concurrency, PagePool(self.pool_pages, self.page_size),
+                                   SlotPool(options.max_concurrency))
+        self.budget = BudgetPolicy(options.max_context, options.max_concurrency, self.pool_pages,
+                                   self.page_size, options.default_max_tokens)
+        self.capacity = options.max_concurrency + options.max_pending_requests
+        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        eos.update(getattr(getattr(runner, "info", None), "eos_token_ids", ()) or ())
+        self.eos_token_ids = frozenset(eos)
+        self.decode_rounds = options.resolved_decode_rounds()
+        self.kv_bytes = self.pool_pages * self.page_size * self.cache_spec.kv_bytes_per_token
+        self.state_bytes = options.max_concurrency * self.cache_spec.state_bytes
+        log.info("engine: %d lanes, KV pool %d pages x %d tokens (%.1f MiB), %d state slots (%.1f MiB)",
+                 options.max_concurrency, self.pool_pages, self.page_size, self.kv_bytes / 2**20,
+                 options.max_concurrency, self.state_bytes / 2**20)
+
+        self._cv = threading.Condition(threading.Lock())
+        self._outstanding = 0  # submitted and not yet ended: the lifetime capacity in use
+        self._cancelled: list[Sequence] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._order = itertools.count()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    # -- client side (any thread; submit from an asyncio loop) ---------------------------------
+    def start(self) -> None:
+        with self._cv:
+            if self._thread is not None:
+                return
+            if self._stopping:
+                raise RuntimeError("engine was shut down")
+            self._thread = threading.Thread(target=self._worker, name="ninfer-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the worker; waiting and running requests end with 503 "server is shutting down"."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread is None:
+            self._fail_all_on_shutdown()
+
+    def default_output_limit(self, prompt_tokens: int) -> int:
+        return self.budget.default_output_limit(prompt_tokens)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises EngineError for a prompt that can never run (400) or a full
+        capacity (429). Call from inside the asyncio loop that will read the events."""
+        loop = asyncio.get_running_loop()
+        budget = self.budget.resolve(len(request.prompt_ids), request.max_tokens)
+        request_id = request.request_id or uuid.uuid4().hex
+        sampler = SamplerState.create(request.sampling, force_greedy=self.options.greedy,
+                                      default_seed=self.options.seed)
+        seq = Sequence(request, request_id, budget.max_tokens, budget.at_context, budget.entitlement_pages,
+                       sampler, OutputText(self.tokenizer, request.stop))
+        if seq.deadline is None:  # the server normally sets it from the request's arrival
+            seq.deadline = seq.t_submit + self.options.pending_timeout_ms / 1000.0
+        seq.handle = RequestHandle(request_id, loop, lambda: self._cancel(seq), seq.prompt_len,
+                                   budget.max_tokens)
+        with self._cv:
+            if self._stopping:
+                raise EngineError(503, "service_unavailable", "server is shutting down")
+            if self._outstanding >= self.capacity:
+                self.counters["requests_rejected"] += 1
+                raise EngineError(
+                    429, "server_overloaded",
+                    f"the server is at capacity ({self.options.max_concurrency} running + "
+                    f"{self.options.max_pending_requests} pending requests); retry later")
+            self._outstanding += 1
+            seq.order = next(self._order)
+            self.scheduler.add(seq)
+            self._cv.notify_all()
+        return seq.handle
+
+    def _cancel(self, seq: Sequence) -> None:
+        with self._cv:
+            if seq.cancel_requested or seq.status is SeqStatus.FINISHED:
+                return
+            seq.cancel_requested = True
+            self._cancelled.append(seq)
+            self._cv.notify_all()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cv:
+            s = self.scheduler
+            return {
+                "lanes_active": len(s.lanes),
+                "lanes_total": s.max_lanes,
+                "prefilling": len(s.staged()),
+                "decode_ready": len(s.decode_batch()),
+                "pages_total": s.pages.num_pages,
+                "pages_free": s.pages.num_free,
+                "page_size": self.page_size,
+                "slots_total": s.slots.num_slots,
+                "slots_free": s.slots.num_free,
+                "pending": len(s.waiting),
+                "outstanding": self._outstanding,
+                "capacity": self.capacity,
+                "kv_bytes": self.kv_bytes,
+                "state_bytes": self.state_bytes,
+                "counters": dict(self.counters),
+            }
+
+    # -- worker ---------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._has_work_locked():
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                try:
+                    self._iteration()
+                except Exception as exc:  # an invariant broke outside any one forward
+                    log.exception("engine iteration failed")
+                    self._fail_everything(EngineError(500, "server_error", f"engine failure: {exc}"))
+        finally:
+            self._fail_all_on_shutdown()
+
+    def _has_work_locked(self) -> bool:
+        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled)
+
+    def _iteration(self) -> None:
+        for seq in self._boundary(admit=True):
+            try:
+                self.runner.reset_slot(seq.slot)
+            except Exception as exc:
+                self._fail(seq, exc)
+        with self._cv:
+            staged = self.scheduler.pick_prefill()
+        rounds = self.decode_rounds
+        if staged is not None:
+            unit = min(self.options.prefill_chunk, staged.prompt_remaining)
+            rounds = max(1, rounds * unit // self.options.prefill_chunk)
+        else:
+            rounds = 1  # back to the boundary after every round so admission is not delayed
+        for r in range(rounds):
+            batch = self.scheduler.decode_batch()
+            if not batch:
+                break
+            self._decode(batch)
+            if r + 1 < rounds:
+                self._boundary(admit=False)
+        if staged is not None and staged.status is SeqStatus.PREFILL:
+            self._boundary(admit=False)
+            if staged.status is SeqStatus.PREFILL:
+                self._prefill_chunk(staged)
+
+    def _boundary(self, admit: bool) -> list[Sequence]:
+        """Apply cancellations and queue timeouts, then admit; returns the newly admitted lanes."""
+        ended: list[tuple[Sequence, EngineEvent]] = []
+        admitted: list[Sequence] = []
+        with self._cv:
+            for seq in self._cancelled:
+                if seq.status is not SeqStatus.FINISHED:
+                    self._end_locked(seq, "requests_cancelled")
+                    ended.append((seq, self._finish_event(seq, "cancelled", None)))
+            self._cancelled.clear()
+            now = time.monotonic()
+            for seq in self.scheduler.expired(now):
+                self._end_locked(seq, "requests_timed_out")
+                ended.append((seq, EngineEvent("error", error=EngineError(
+                    503, "request_queue_timeout",
+                    "the request was not admitted before its pending timeout (--pending-timeout-ms)"))))
+            if admit:
+                admitted = self.scheduler.admit()
+                for seq in admitted:
+                    seq.t_admit = now
+                    self.counters["prompt_tokens_total"] += seq.prompt_len
+        for seq, event in ended:
+            seq.post(event)
+        for seq in admitted:
+            seq.post(EngineEvent("admitted", usage=Usage(prompt_tokens=seq.prompt_len)))
+        return admitted
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        views = [SeqView(s.slot, s.pages[: pages_for(s.num_cached + 1, self.page_size)], s.num_cached)
+                 for s in batch]
+        try:
+            logits = self.runner.decode(views, [s.last_token for s in batch])
+            tokens = sample(logits, [s.sampler for s in batch])
+        except Exception as exc:
+            log.exception("decode failed for %d requests", len(batch))
+            for s in batch:
+                self._fail(s, exc)
+            return
+        for s, token in zip(batch, tokens):
+            s.num_cached += 1
+            self._commit(s, token)
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        start = seq.num_cached
+        chunk = seq.prompt_ids[start: start + self.options.prefill_chunk]
+        view = SeqView(seq.slot, seq.pages[: pages_for(start + len(chunk), self.page_size)], start)
+        last = start + len(chunk) == seq.prompt_len
+        try:
+            logits = self.runner.prefill(view, chunk)
+            token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
+        except Exception as exc:
+            log.exception("prefill failed for request %s", seq.request_id)
+            self._fail(seq, exc)
+            return
+        seq.num_cached += len(chunk)
+        if not last:
+            return
+        seq.t_first = time.monotonic()
+        if token is None:  # max_tokens == 0: prompt processing only
+            self._finish(seq, "length", "context" if seq.at_context else "max_tokens", "")
+            return
+        seq.status = SeqStatus.DECODE
+        self._commit(seq, token)
+
+    def _commit(self, seq: Sequence, token: int) -> None:
+        """Append a sampled token, publish its text, and finish the request when it ends."""
+        now = time.monotonic()
+        seq.t_first = seq.t_first if seq.output_ids else now
+        seq.t_last = now
+        seq.output_ids.append(token)
+        seq.unsent_ids.append(token)
+        seq.sampler.observe(token)
+        if token in self.eos_token_ids and not seq.request.ignore_eos:
+            self._finish(seq, "stop", "eos", seq.output.finish())
+            return
+        text = seq.output.feed(token)
+        if seq.output.stopped:
+            self._finish(seq, "stop", "stop_string", text)
+        elif len(seq.output_ids) >= seq.max_tokens:
+            self._finish(seq, "length", "context" if seq.at_context else "max_tokens",
+                         text + seq.output.finish())
+        elif text:
+            ids, seq.unsent_ids = seq.unsent_ids, []
+            seq.post(EngineEvent("delta", token_ids=ids, text=text))
+
+    # -- ending requests ------------------------------------------------------------------------
+    def _end_locked(self, seq: Sequence, counter: str) -> None:
+        self.scheduler.release(seq)
+        self._outstanding -= 1
+        self.counters[counter] += 1
+        self.counters["generated_tokens_total"] += len(seq.output_ids)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str, text: str) -> None:
+        with self._cv:
+            if seq.status is SeqStatus.FINISHED:
+                return
+            self._end_locked(seq, "requests_completed")
+        if text or seq.unsent_ids:
+            ids, seq.unsent_ids = seq.unsent_ids, []
+            seq.post(EngineEvent("delta", token_ids=ids, text=text))
+        seq.post(self._finish_event(seq, reason, stop_reason))
+
+    def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids))
+        return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
+                           timings=seq.timings())
+
+    def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
+        err = exc if isinstance(exc, EngineError) else EngineError(
+            status, "server_error", f"model execution failed: {type(exc).__name__}: {exc}")
+        with self._cv:
+            if seq.status is SeqStatus.FINISHED:
+                return
+            self._end_locked(seq, "requests_failed")
+        seq.post(EngineEvent("error", error=err))
+
+    def _fail_everything(self, err: EngineError) -> None:
+        """Last resort for a broken invariant: fail the lanes, or the FIFO when no lane can be
+        blamed, so a persistent fault cannot spin the worker."""
+        with self._cv:
+            seqs = list(self.scheduler.lanes) or list(self.scheduler.waiting)
+        for seq in seqs:
+            self._fail(seq, err)
+
+    def _fail_all_on_shutdown(self) -> None:
+        err = EngineError(503, "service_unavailable", "server is shutting down")
+        with self._cv:
+            seqs = list(self.scheduler.lanes) + list(self.scheduler.waiting)
+            self._cancelled.clear()
+        for seq in seqs:
+            self._fail(seq, err)

@@ -1,0 +1,136 @@
+"""One request inside the engine (`Sequence`) and the caller's view of it (`RequestHandle`)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from ninfer_core.engine.api import EngineEvent, GenerationRequest
+
+if TYPE_CHECKING:
+    from ninfer_core.engine.detok import OutputText
+    from ninfer_core.engine.sampler import SamplerState
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # in the FIFO, holds nothing
+    PREFILL = "prefill"  # admitted to a lane (pages + slot), prompt not fully processed
+    DECODE = "decode"  # in the decode batch
+    FINISHED = "finished"  # resources released, terminal event posted
+
+
+TERMINAL_KINDS = ("finish", "error")
+
+
+class RequestHandle:
+    """What `Engine.submit` returns: an async stream of EngineEvents and a cancel switch.
+
+    Events are put on an asyncio.Queue of the loop that submitted, from the worker thread through
+    `loop.call_soon_threadsafe`; the stream ends after the "finish" or "error" event.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 cancel: Callable[[], None], prompt_tokens: int, max_tokens: int):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens  # the effective output limit the engine runs with
+        self._loop = loop
+        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._cancel = cancel
+        self._done = False
+
+    def post(self, event: EngineEvent) -> None:
+        """Deliver an event from any thread; a closed loop means nobody is listening any more."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        while not self._done:
+            event = await self._queue.get()
+            if event.kind in TERMINAL_KINDS:
+                self._done = True
+            yield event
+
+    def cancel(self) -> None:
+        """Thread-safe and idempotent; the worker releases the request at its next boundary."""
+        self._cancel()
+
+
+class Sequence:
+    """Engine-side state of one request: budget, lane resources, progress and output."""
+
+    def __init__(self, request: GenerationRequest, request_id: str, max_tokens: int, at_context: bool,
+                 entitlement_pages: int, sampler: "SamplerState", output: "OutputText",
+                 handle: RequestHandle | None = None, order: int = 0):
+        self.request = request
+        self.request_id = request_id
+        self.prompt_ids = list(request.prompt_ids)
+        self.max_tokens = max_tokens
+        self.at_context = at_context
+        self.entitlement_pages = entitlement_pages
+        self.deadline = request.deadline
+        self.sampler = sampler
+        self.output = output
+        self.handle = handle
+        self.order = order  # submission order, the FIFO and tie-break key
+
+        self.status = SeqStatus.WAITING
+        self.pages: list[int] = []
+        self.slot: int | None = None
+        self.num_cached = 0  # positions already in the KV pages and the state slot
+        self.output_ids: list[int] = []
+        self.unsent_ids: list[int] = []  # committed tokens not yet carried by a delta event
+        self.passed_over = 0  # prefill units given to another staged lane since this one last ran
+        self.cancel_requested = False
+
+        self.t_submit = time.monotonic()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None  # first output token committed (or prompt done)
+        self.t_last: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_remaining(self) -> int:
+        return len(self.prompt_ids) - self.num_cached
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def post(self, event: EngineEvent) -> None:
+        if self.handle is not None:
+            self.handle.post(event)
+
+    def timings(self) -> dict:
+        """llama.cpp-style timings (spec "llama.cpp-compatible request observations"); zero rates
+        instead of NaN or infinity for empty or instantaneous phases."""
+        prompt_n = min(self.num_cached, self.prompt_len)
+        prompt_ms = ((self.t_first or self.t_admit or 0.0) - (self.t_admit or 0.0)) * 1000.0
+        predicted_n = len(self.output_ids)
+        predicted_ms = ((self.t_last or 0.0) - (self.t_first or 0.0)) * 1000.0 if predicted_n else 0.0
+        intervals = max(predicted_n - 1, 0)
+
+        def rate(n, ms):
+            return n * 1000.0 / ms if n and ms > 0 else 0.0
+
+        def per_token(ms, n):
+            return ms / n if n and ms > 0 else 0.0
+
+        return {
+            "cache_n": 0,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
+            "prompt_per_second": rate(prompt_n, prompt_ms),
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": per_token(predicted_ms, intervals),
+            "predicted_per_second": rate(intervals, predicted_ms),
+        }

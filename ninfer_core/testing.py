@@ -1,0 +1,280 @@
+"""Test doubles that honour the core contracts: a toy tokenizer and a toy ModelRunner.
+
+`ToyRunner` keeps real paged-KV and state-slot bookkeeping: every token it runs is written into
+the KV page row its position maps to, and folded into a rolling hash held in the sequence's state
+slot. Before producing logits it reads the whole prefix back out of the pages and checks it
+against the slot, so a wrong page table, a shared page, a slot that was not reset or a position
+out of step raises instead of passing silently. Logits are a deterministic function of the whole
+prefix (or of a `ScriptPolicy`, to force exact outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ninfer_core.engine.api import EngineEvent
+from ninfer_core.engine.model_api import PAGE_SIZE, CacheSpec, KVGroup, ModelInfo, ModelRunner, SeqView
+
+# -- tokenizer ----------------------------------------------------------------------------------
+
+_SPECIALS = {256: "<eos>", 257: "<|tool|>"}
+_PIECES = {258: b"hello", 259: b" world", 260: b"STOP", 261: b"\xe2\x82"}  # 261 + 0xAC = "€"
+
+
+class ToyTokenizer:
+    """Byte-level tokenizer with the CONTRACTS.md Tokenizer API.
+
+    Ids 0..255 are single bytes, 256 `<eos>` (special, the eos token), 257 `<|tool|>` (special),
+    258.. multi-byte pieces, among them 261 = the first two bytes of "€" (its third byte is id 0xAC).
+    """
+
+    EOS = 256
+    TOOL = 257
+    EURO_HEAD = 261
+
+    def __init__(self):
+        self.vocab_size = 262
+        self.eos_token_ids = (self.EOS,)
+        self._bytes = {i: bytes([i]) for i in range(256)}
+        self._bytes.update({i: t.encode() for i, t in _SPECIALS.items()})
+        self._bytes.update(_PIECES)
+        self._by_piece = sorted(((b, i) for i, b in _PIECES.items()), key=lambda p: -len(p[0]))
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        out: list[int] = []
+        data = text.encode()
+        i = 0
+        specials = [(t.encode(), k) for k, t in _SPECIALS.items()] if allow_special else []
+        while i < len(data):
+            for piece, tid in specials + self._by_piece:
+                if data.startswith(piece, i):
+                    out.append(tid)
+                    i += len(piece)
+                    break
+            else:
+                out.append(data[i])
+                i += 1
+        return out
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return b"".join(self.token_bytes(i) for i in ids
+                        if not (skip_special and self.is_special(i))).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in _SPECIALS
+
+    def token_to_id(self, text: str) -> int | None:
+        for i, b in self._bytes.items():
+            if b == text.encode() and (i >= 256 or len(b) == 1):
+                return i
+        return None
+
+
+# -- model runner -------------------------------------------------------------------------------
+
+_HASH_BASE = 1_000_003
+_HASH_MOD = 2_147_483_647
+
+
+class ScriptPolicy:
+    """Force outputs: after a prompt that starts with `key`, emit `scripts[key]` token by token.
+
+    Past the end of a script, `after` is emitted (None: fall back to the runner's own logits).
+    """
+
+    def __init__(self, scripts: dict[tuple[int, ...], Sequence[int]], after: int | None = None):
+        self.scripts = sorted(((tuple(k), list(v)) for k, v in scripts.items()), key=lambda kv: -len(kv[0]))
+        self.after = after
+
+    def __call__(self, prefix: list[int]) -> int | None:
+        for key, cont in self.scripts:
+            if tuple(prefix[: len(key)]) == key:
+                i = len(prefix) - len(key)
+                return cont[i] if i < len(cont) else self.after
+        return None
+
+
+class ToyRunner(ModelRunner):
+    """A deterministic toy model over real paged KV and state slots (see the module docstring).
+
+    Hooks for tests: `policy(prefix) -> token | None` forces the next token; `fail_if(kind, views,
+    tokens) -> bool` raises an injected RuntimeError; `pause()`/`resume()` hold forwards at their
+    start (`entered` is set once a held forward is waiting); `calls` logs every forward as
+    (kind, [num_cached per row], number of tokens).
+    """
+
+    def __init__(self, vocab_size: int = 262, eos_token_ids: tuple[int, ...] = (ToyTokenizer.EOS,),
+                 policy: Callable[[list[int]], int | None] | None = None, salt: int = 0,
+                 logit_scale: float = 2.0):
+        self.info = ModelInfo("toy", vocab_size, 1 << 20, 8, eos_token_ids=tuple(eos_token_ids))
+        self.device = torch.device("cpu")
+        self.policy = policy
+        self.fail_if: Callable[[str, list[SeqView], list[int]], bool] | None = None
+        self.salt = salt
+        self.logit_scale = logit_scale
+        self.calls: list[tuple[str, list[int], int]] = []
+        self.entered = threading.Event()
+        self._gate = threading.Event()
+        self._gate.set()
+        self._pow = torch.ones(1, dtype=torch.int64)
+        self.kv: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
+        self.page_size = PAGE_SIZE
+
+    # contract ---------------------------------------------------------------------------------
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(kv_groups=(KVGroup("full", (0,), kv_heads=1, head_dim=2, bytes_per_token=32),),
+                         state_bytes=16, state_layers=(1,))
+
+    def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
+        self.page_size = page_size
+        self.kv = torch.full((num_pages, page_size, 1, 2), -1, dtype=torch.int64)  # [token, position]
+        self.state = torch.full((num_slots, 2), -7, dtype=torch.int64)  # [count, hash]; -7: never reset
+
+    def reset_slot(self, slot: int) -> None:
+        self.state[slot] = 0
+
+    def prefill(self, seq: SeqView, tokens, all_logits: bool = False):
+        tokens = [int(t) for t in tokens]
+        self._enter("prefill", [seq], tokens)
+        if not tokens:
+            raise ValueError("prefill of no tokens")
+        rows = []
+        for i, t in enumerate(tokens):
+            self._step(seq, seq.num_cached + i, t)
+            if all_logits or i == len(tokens) - 1:
+                rows.append(self._logits(seq, seq.num_cached + i + 1))
+        return torch.stack(rows) if all_logits else rows[0]
+
+    def decode(self, seqs, tokens):
+        seqs, tokens = list(seqs), [int(t) for t in tokens]
+        self._enter("decode", seqs, tokens)
+        if not seqs or len(seqs) != len(tokens):
+            raise ValueError(f"decode of {len(seqs)} rows with {len(tokens)} tokens")
+        if len({s.slot for s in seqs}) != len(seqs):
+            raise RuntimeError("decode batch shares a state slot")
+        pages = [p for s in seqs for p in s.pages]
+        if len(set(pages)) != len(pages):
+            raise RuntimeError("decode batch shares a KV page")
+        rows = []
+        for s, t in zip(seqs, tokens):
+            self._step(s, s.num_cached, t)
+            rows.append(self._logits(s, s.num_cached + 1))
+        return torch.stack(rows)
+
+    # test hooks -------------------------------------------------------------------------------
+    def pause(self) -> None:
+        self.entered.clear()
+        self._gate.clear()
+
+    def resume(self) -> None:
+        self._gate.set()
+
+    # internals --------------------------------------------------------------------------------
+    def _enter(self, kind: str, views: list[SeqView], tokens: list[int]) -> None:
+        self.calls.append((kind, [v.num_cached for v in views], len(tokens)))
+        if not self._gate.is_set():
+            self.entered.set()
+            if not self._gate.wait(60):
+                raise RuntimeError("toy runner held for more than 60 s")
+        if self.fail_if is not None and self.fail_if(kind, views, tokens):
+            raise RuntimeError(f"injected {kind} failure")
+
+    def _step(self, seq: SeqView, pos: int, token: int) -> None:
+        if not 0 <= token < self.info.vocab_size:
+            raise ValueError(f"token {token} outside the vocabulary")
+        if pos // self.page_size >= len(seq.pages):
+            raise RuntimeError(f"pages {seq.pages} do not cover position {pos}")
+        count, h = (int(v) for v in self.state[seq.slot])
+        if count != pos:
+            raise RuntimeError(f"state slot {seq.slot} holds {count} tokens, the sequence is at {pos}")
+        self.kv[seq.pages[pos // self.page_size], pos % self.page_size, 0] = torch.tensor([token, pos])
+        self.state[seq.slot] = torch.tensor([pos + 1, (h * _HASH_BASE + token + 1) % _HASH_MOD])
+
+    def _prefix(self, seq: SeqView, n: int) -> torch.Tensor:
+        """The first `n` tokens read back from the pages, checked against the state slot."""
+        pos = torch.arange(n)
+        page_ids = torch.tensor(seq.pages, dtype=torch.int64)[pos // self.page_size]
+        rows = self.kv[page_ids, pos % self.page_size, 0]  # [n, 2]
+        if not torch.equal(rows[:, 1], pos):
+            raise RuntimeError("KV pages do not hold this sequence's positions (page mapping corrupted)")
+        tokens = rows[:, 0]
+        if int(self.state[seq.slot, 0]) == n and self._hash(tokens) != int(self.state[seq.slot, 1]):
+            raise RuntimeError("KV pages disagree with the state slot (page or slot mapping corrupted)")
+        return tokens
+
+    def _hash(self, tokens: torch.Tensor) -> int:
+        n = tokens.numel()
+        while self._pow.numel() < n:
+            grown = self._pow * pow(_HASH_BASE, self._pow.numel(), _HASH_MOD) % _HASH_MOD
+            self._pow = torch.cat([self._pow, grown])
+        weights = self._pow[:n].flip(0)
+        return int(((tokens + 1) * weights % _HASH_MOD).sum() % _HASH_MOD)
+
+    def _logits(self, seq: SeqView, n: int) -> torch.Tensor:
+        tokens = self._prefix(seq, n)
+        if self.policy is not None:
+            forced = self.policy(tokens.tolist())
+            if forced is not None:
+                logits = torch.zeros(self.info.vocab_size)
+                logits[forced] = 50.0
+                return logits
+        gen = torch.Generator().manual_seed(self._hash(tokens) * 7919 + self.salt)
+        return torch.randn(self.info.vocab_size, generator=gen) * self.logit_scale
+
+
+# -- event collection ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """Everything one request's event stream said."""
+
+    events: list[EngineEvent] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.events]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events if e.kind == "delta" for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if e.kind == "delta")
+
+    @property
+    def last(self) -> EngineEvent:
+        return self.events[-1]
+
+    @property
+    def finish(self) -> EngineEvent | None:
+        return self.events[-1] if self.events and self.events[-1].kind == "finish" else None
+
+    @property
+    def error(self):
+        return self.events[-1].error if self.events and self.events[-1].kind == "error" else None
+
+
+def run_async(coro, timeout: float = 60.0):
+    """Run a coroutine on a fresh event loop with a safety timeout (not a timing assertion)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def collect(handle, on_event: Callable[[EngineEvent], None] | None = None) -> Outcome:
+    """Read a handle's events to the end; `on_event` sees each one as it arrives."""
+    out = Outcome()
+    async for event in handle.events():
+        out.events.append(event)
+        if on_event is not None:
+            on_event(event)
+    return out
