@@ -1,0 +1,138 @@
+"""Built-in protocol plugin: operational routes (health, API index, models, props, load).
+
+GET /health, GET /v1, GET /v1/models, GET /v1/models/{id}, GET /props and GET /v1/load, in the
+shapes of the spec's Server version, Models, Props and Load sections.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ninfer_core import hookimpl
+from ninfer_core.engine.api import EngineError
+from ninfer_core.server.context import ServerContext
+from ninfer_core.server.prepare import default_settings
+from ninfer_core.version import build_string
+
+
+def model_object(ctx: ServerContext) -> dict[str, Any]:
+    m = ctx.model
+    inputs = ["text", "image", "video"] if m.vision else ["text"]
+    return {
+        "id": m.id, "object": "model", "created": m.created, "owned_by": "ninfer",
+        "max_model_len": m.max_model_len, "context_window": m.max_model_len, "context_length": m.max_model_len,
+        "modalities": {"vision": m.vision},
+        "architecture": {"input_modalities": inputs, "output_modalities": ["text"]},
+        "meta": {"n_vocab": m.n_vocab, "n_ctx": m.max_model_len, "n_ctx_train": m.n_ctx_train,
+                 "n_embd": m.n_embd, "n_params": m.n_params, "size": m.size, "ftype": m.ftype},
+    }
+
+
+def props(ctx: ServerContext) -> dict[str, Any]:
+    eng = ctx.options.engine
+    limit = eng.default_max_tokens if eng.default_max_tokens is not None else -1
+    params = {"n_predict": limit, "max_tokens": limit, **default_settings(ctx)}
+    return {
+        "default_generation_settings": {"n_ctx": eng.max_context, "speculative": False, "params": params},
+        "total_slots": eng.max_concurrency,
+        "model_alias": ctx.model.id,
+        "model_path": ctx.model.artifact_path,
+        "modalities": {"vision": ctx.model.vision, "audio": False},
+        "build_info": f"ninfer {build_string()}",
+        "endpoint_slots": False, "endpoint_props": True, "endpoint_metrics": False,
+        "cors_proxy_enabled": False,
+    }
+
+
+def _int(snap: dict, *keys: str, default: int = 0) -> int:
+    for k in keys:
+        v = snap.get(k)
+        if isinstance(v, (int, float)):
+            return int(v)
+    return default
+
+
+def load_report(ctx: ServerContext) -> dict[str, Any]:
+    """GET /v1/load from the engine's published snapshot and the server's ingress count."""
+    eng = ctx.options.engine
+    snap: dict[str, Any] = {}
+    if ctx.engine is not None:
+        try:
+            snap = dict(ctx.engine.snapshot() or {})
+        except Exception:  # noqa: BLE001 - a load probe must answer even if the engine is unwell
+            snap = {}
+    page = _int(snap, "page_size", default=64)
+    pages_total = _int(snap, "pages_total")
+    pages_used = max(0, pages_total - _int(snap, "pages_free", default=pages_total))
+    slots_total = _int(snap, "slots_total", default=eng.max_concurrency)
+    slots_used = max(0, slots_total - _int(snap, "slots_free", default=slots_total))
+    counters = snap.get("counters") if isinstance(snap.get("counters"), dict) else {}
+    return {
+        "object": "ninfer.load",
+        "model": ctx.model.id,
+        "uptime_seconds": round(ctx.uptime_s(), 3),
+        "capacity": {
+            "max_concurrency": eng.max_concurrency, "max_pending_requests": eng.max_pending_requests,
+            "max_admitted_requests": eng.max_concurrency + eng.max_pending_requests,
+            "max_context": eng.max_context, "kv_capacity_tokens": pages_total * page,
+            "kv_capacity_pages": pages_total, "kv_page_tokens": page, "device_state_slots": slots_total,
+        },
+        "requests": {
+            "admitted": ctx.ingress.admitted, "running": _int(snap, "lanes_active"),
+            "prefilling": _int(snap, "prefilling"), "decode_ready": _int(snap, "decode_ready"),
+            "waiting": _int(snap, "pending"),
+        },
+        "occupancy": {
+            "device_main_kv_pages": pages_used, "device_main_kv_tokens": pages_used * page,
+            "device_state_slots": slots_used,
+        },
+        # The engine's monotonic counters as it publishes them (no prefix reuse exists yet).
+        "counters": {k: int(v) for k, v in counters.items() if isinstance(v, (int, float))},
+    }
+
+
+class Ops:
+    name = "ops"
+
+    def mount(self, router: APIRouter, ctx: ServerContext) -> None:
+        async def health() -> dict:
+            return {"status": "ok", "version": build_string()}
+
+        async def api_index(request: Request) -> dict:
+            owners = getattr(request.app.state, "routes", {})
+            routes = [{"method": m, "path": p, "protocol": owners[(m, p)]}
+                      for (m, p) in sorted(owners, key=lambda k: (k[1], k[0])) if m != "HEAD"]
+            return {"object": "ninfer.api_index", "model": ctx.model.id, "version": build_string(),
+                    "endpoints": routes}
+
+        async def list_models() -> dict:
+            return {"object": "list", "data": [model_object(ctx)]}
+
+        async def get_model(model_id: str) -> dict:
+            if model_id != ctx.model.id:
+                raise EngineError(404, "model_not_found", f"The model '{model_id}' does not exist; this server "
+                                  f"serves '{ctx.model.id}'.", param="model")
+            return model_object(ctx)
+
+        async def get_props() -> dict:
+            return props(ctx)
+
+        async def get_load() -> dict:
+            return load_report(ctx)
+
+        router.add_api_route("/health", health, methods=["GET"])
+        router.add_api_route("/v1", api_index, methods=["GET"])
+        router.add_api_route("/v1/models", list_models, methods=["GET"])
+        router.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+        router.add_api_route("/props", get_props, methods=["GET"])
+        router.add_api_route("/v1/load", get_load, methods=["GET"])
+
+
+PROTOCOL = Ops()
+
+
+@hookimpl
+def ninfer_register_protocols(register):
+    register("ops", "ninfer_core.protocols.ops:PROTOCOL")

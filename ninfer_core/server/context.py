@@ -1,0 +1,94 @@
+"""ServerContext: everything one server instance knows, passed explicitly (no module state).
+
+`create_app(ctx)` builds the FastAPI app around it; protocols receive it in `mount(router, ctx)`.
+The model fields are filled by the loader once weights are loaded and warm; until `ready` is set
+the middleware answers every route with 503 model_loading, so handlers may assume a loaded model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer_core.config import ServeOptions
+from ninfer_core.engine.api import EngineError
+
+
+@dataclass
+class ServedModel:
+    """Facts about the loaded model that /v1/models, /props and the protocols report."""
+
+    id: str  # the public OpenAI model id (--model-id, else the artifact's identity)
+    artifact_path: str
+    architecture: str
+    max_model_len: int  # --max-context
+    n_vocab: int = 0
+    n_ctx_train: int = 0
+    n_embd: int = 0
+    n_params: int = 0
+    size: int = 0
+    ftype: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    vision: bool = False
+
+
+class Ingress:
+    """The generation-request lifetime bound: max_concurrency + max_pending_requests.
+
+    A request holds one unit from preparation until its response is released; a full ingress
+    answers 429 server_overloaded (spec: Execution behavior). Touched only on the event loop.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.admitted = 0
+        self.peak = 0
+
+    def acquire(self) -> None:
+        if self.admitted >= self.capacity:
+            raise EngineError(
+                429, "server_overloaded",
+                f"The server is at capacity ({self.capacity} requests admitted or waiting). Retry shortly.",
+            )
+        self.admitted += 1
+        self.peak = max(self.peak, self.admitted)
+
+    def release(self) -> None:
+        self.admitted = max(0, self.admitted - 1)
+
+
+@dataclass
+class ServerContext:
+    options: ServeOptions
+    plugins: Any = None  # ninfer_core.plugins.PluginHost
+    model: ServedModel | None = None
+    tokenizer: Any = None  # ninfer_core.tokenizer.Tokenizer
+    chat_template: Any = None  # ninfer_core.tokenizer.chat_template.ChatTemplate
+    engine: Any = None  # ninfer_core.engine.api.EngineClient
+    # Sampling presets of the loaded model: {"thinking": {...}, "non_thinking": {...}}.
+    sampling_presets: dict | None = None
+    # Seconds without an engine event before an SSE stream sends ": keep-alive" (spec: 5 s).
+    keepalive_s: float = 5.0
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    load_error: str | None = None
+    ingress: Ingress | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.ingress is None:
+            eng = self.options.engine
+            self.ingress = Ingress(eng.max_concurrency + eng.max_pending_requests)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def mark_ready(self) -> None:
+        self.ready_at = time.monotonic()
+        self._ready.set()
+
+    def uptime_s(self) -> float:
+        return 0.0 if self.ready_at is None else time.monotonic() - self.ready_at

@@ -1,0 +1,152 @@
+"""The server's one ASGI middleware: headers, readiness, the doubled /v1 prefix, CORS, auth, body size.
+
+Written as plain ASGI (not BaseHTTPMiddleware) so streamed responses and client disconnects pass
+through untouched. Order of the checks, outermost first:
+  1. every response gets X-NInfer-Version and a fresh x-request-id (req_<hex>);
+  2. /v1/v1/... is served as /v1/... (OpenAI SDKs given the /v1 base URL double the prefix);
+  3. until the model is warm every route answers 503 model_loading with Retry-After: 2;
+  4. --cors answers preflights and decorates responses;
+  5. --api-key: Bearer or x-api-key, compared in constant time (GET /health and preflights exempt);
+  6. --max-request-mib: 413 before JSON parsing (Content-Length, or counted while streaming in).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ninfer_core.server.context import ServerContext
+from ninfer_core.server.errors import RequestTooLarge, error_response, too_large_response
+from ninfer_core.version import build_string
+
+log = logging.getLogger("ninfer.server")
+
+LOADING_MESSAGE = "The model is still loading. Retry shortly."
+CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+CORS_HEADERS = ["authorization", "content-type", "x-api-key", "x-request-id", "accept",
+                "openai-organization", "openai-project", "x-stainless-lang", "anthropic-version"]
+
+
+def new_request_id() -> str:
+    return "req_" + secrets.token_hex(12)
+
+
+class ServerMiddleware:
+    def __init__(self, app: ASGIApp, ctx: ServerContext):
+        self.app = app
+        self.ctx = ctx
+        key = ctx.options.api_key
+        self._key = key.encode("utf-8") if key else None
+        self._limit = ctx.options.max_request_mib * (1 << 20)
+        self._version = build_string()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        _undouble_v1(scope)
+        headers = Headers(scope=scope)
+        method = scope["method"]
+        origin = headers.get("origin")
+        cors = self.ctx.options.cors and origin is not None
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                hs = MutableHeaders(scope=message)
+                hs["X-NInfer-Version"] = self._version
+                if "x-request-id" not in hs:
+                    hs["x-request-id"] = request_id
+                if cors:
+                    hs["Access-Control-Allow-Origin"] = "*"
+                    hs["Access-Control-Expose-Headers"] = "x-request-id, X-NInfer-Version, Retry-After"
+            await send(message)
+
+        try:
+            if not self.ctx.ready:
+                resp = error_response(503, LOADING_MESSAGE, "service_unavailable", "model_loading",
+                                      headers={"Retry-After": "2"})
+                await resp(scope, receive, send_wrapper)
+                return
+            preflight = method == "OPTIONS" and "access-control-request-method" in headers
+            if preflight and self.ctx.options.cors:
+                await _preflight(headers)(scope, receive, send_wrapper)
+                return
+            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] == "/health")
+            if self._key is not None and not exempt and not self._authorized(headers):
+                resp = error_response(401, "Invalid or missing API key. Send it as 'Authorization: Bearer "
+                                      "<key>' or 'x-api-key: <key>'.", "authentication_error",
+                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send_wrapper)
+                return
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self._limit:
+                await too_large_response(self._limit)(scope, receive, send_wrapper)
+                return
+            await self.app(scope, self._limited(receive), send_wrapper)
+        except Exception:  # noqa: BLE001 - the last line of defence keeps the envelope and headers
+            log.exception("internal error on %s %s", method, scope.get("path"))
+            if not started:
+                resp = error_response(500, "Internal server error.", "server_error", "internal_error")
+                await resp(scope, receive, send_wrapper)
+
+    def _authorized(self, headers: Headers) -> bool:
+        candidates = []
+        auth = headers.get("authorization")
+        if auth:
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() == "bearer":
+                candidates.append(token.strip())
+        if headers.get("x-api-key") is not None:
+            candidates.append(headers["x-api-key"].strip())
+        ok = False
+        for c in candidates:
+            # Every candidate is compared, so timing does not reveal which header matched.
+            ok |= hmac.compare_digest(c.encode("utf-8"), self._key)
+        return ok
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit = self._limit
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise RequestTooLarge(limit)
+            return message
+
+        return limited_receive
+
+
+def _undouble_v1(scope: Scope) -> None:
+    path = scope["path"]
+    if path == "/v1/v1" or path.startswith("/v1/v1/"):
+        scope["path"] = path[3:]
+        raw = scope.get("raw_path")
+        if isinstance(raw, bytes) and raw.startswith(b"/v1/v1"):
+            scope["raw_path"] = raw[3:]
+
+
+def _preflight(headers: Headers) -> Response:
+    allowed = list(CORS_HEADERS)
+    for h in headers.get("access-control-request-headers", "").split(","):
+        h = h.strip().lower()
+        if h and h not in allowed:
+            allowed.append(h)
+    return Response(status_code=204, headers={
+        "Access-Control-Allow-Methods": CORS_METHODS,
+        "Access-Control-Allow-Headers": ", ".join(allowed),
+        "Access-Control-Max-Age": "600",
+    })

@@ -1,0 +1,301 @@
+"""`ninfer serve`: resolve plugins and the artifact, bind the port, then load the model behind it.
+
+Order (spec "Startup readiness"): everything that can fail fast (plugins, artifact, model family,
+KV dtype, chat template file, the port) fails before any weight is read, with `error: ...` and exit
+status 1. The port is bound and served at once, answering 503 model_loading, while a background
+thread loads the weights, starts the Engine and runs a warmup forward; then the server is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ninfer_core.config import ServeOptions, options_from_args
+from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
+from ninfer_core.server.context import ServedModel, ServerContext
+from ninfer_core.server.prepare import default_sampling_presets
+from ninfer_core.version import build_string
+
+log = logging.getLogger("ninfer")
+
+_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR, "critical": logging.CRITICAL, "off": logging.CRITICAL + 10}
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _setup_logging(level_name: str) -> None:
+    level = _LEVELS.get(level_name, logging.INFO)
+    root = logging.getLogger("ninfer")
+    root.setLevel(level)
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
+        root.addHandler(h)
+    root.propagate = False
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("NINFER_CACHE_DIR") or Path.home() / ".cache" / "ninfer")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def artifact_facts(artifact: Any) -> dict[str, Any]:
+    """n_params (logical elements), size (encoded payload bytes) and ftype (encodings joined by +)."""
+    names = artifact.tensor_names()
+    counts: dict[str, int] = {}
+    for n in names:
+        enc = artifact.tensor_encoding(n)
+        counts[enc] = counts.get(enc, 0) + 1
+    return {"n_params": artifact.num_parameters(), "size": sum(artifact.tensor_nbytes(n) for n in names),
+            "ftype": "+".join(sorted(counts, key=lambda k: (-counts[k], k)))}
+
+
+def public_model_id(options: ServeOptions, artifact: Any) -> str:
+    identity = artifact.manifest.get("identity") or {}
+    return options.model_id or identity.get("model_id") or artifact.name or artifact.architecture
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _announce(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+class _Loader:
+    """Loads the model behind a serving port: family.load, Engine start, warmup, then ready."""
+
+    def __init__(self, ctx: ServerContext, artifact: Any, family_reg: Any, template: Any):
+        self.ctx, self.artifact, self.family_reg, self.template = ctx, artifact, family_reg, template
+        self.stopping = threading.Event()
+        self.engine: Any = None
+        self.on_failure = lambda: None
+        self.thread = threading.Thread(target=self.run, name="ninfer-loader", daemon=True)
+
+    def run(self) -> None:
+        ctx = self.ctx
+        try:
+            t0 = time.monotonic()
+            from ninfer_core.engine.engine import Engine
+            from ninfer_core.tokenizer import Tokenizer
+
+            opts = ctx.options
+            device = resolve_device(opts.engine.device)
+            tokenizer = Tokenizer.from_section(self.artifact.tokenizer_section)
+            target = self.family_reg.load()
+            family = target() if isinstance(target, type) else target
+            runner = family.load(self.artifact, device=device)
+            engine = Engine(runner, tokenizer, replace(opts.engine, device=device))
+            engine.start()
+            self.engine = engine
+            if self.stopping.is_set():
+                return
+            _warmup(engine, tokenizer)
+            info = runner.info
+            facts = artifact_facts(self.artifact)
+            ctx.model = ServedModel(
+                id=public_model_id(opts, self.artifact), artifact_path=opts.artifact or self.artifact.path,
+                architecture=self.artifact.architecture, max_model_len=opts.engine.max_context,
+                n_vocab=tokenizer.vocab_size, n_ctx_train=int(info.max_position), n_embd=int(info.hidden_size),
+                n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"])
+            ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
+            ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
+            ctx.mark_ready()
+            log.info("model %s ready on %s in %.1f s", ctx.model.id, device, time.monotonic() - t0)
+        except BaseException as e:  # noqa: BLE001 - any load failure ends the server with status 1
+            ctx.load_error = f"{type(e).__name__}: {e}"
+            log.error("loading the model failed: %s", ctx.load_error)
+            self.on_failure()
+
+
+def _warmup(engine: Any, tokenizer: Any) -> None:
+    """One short generation through the engine, so the first request pays no first-use cost."""
+    from ninfer_core.engine.api import GenerationRequest, SamplingParams
+
+    ids = tokenizer.encode("Hello") or [0]
+
+    async def run() -> None:
+        handle = engine.submit(GenerationRequest(prompt_ids=ids, sampling=SamplingParams(greedy=True,
+                                                 temperature=0.0), max_tokens=1, request_id="warmup"))
+        async for ev in handle.events():
+            if ev.kind == "error":
+                raise ev.error
+            if ev.kind == "finish":
+                return
+
+    asyncio.run(run())
+
+
+def _make_server(config: Any, on_exit):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with our own signal handling: shut the engine down, exit with 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            previous = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+
+        def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            on_exit()
+
+    return Server(config)
+
+
+def run_serve(args) -> int:
+    options = options_from_args(args)
+    _setup_logging(options.log_level)
+    host = PluginHost(PluginSelection.from_sources(args.plugin))
+    try:
+        host.load()
+        for kind in ("protocol", "model_family", "kv_dtype"):
+            host.registry(kind)
+    except PluginError as e:
+        return _fail(str(e))
+
+    from ninfer_core.artifact import Artifact, ArtifactError
+
+    path = options.artifact
+    if not path:
+        try:
+            path = host.default_artifact(str(cache_dir()))
+        except Exception as e:  # noqa: BLE001 - a plugin's builder failing is a startup error
+            return _fail(f"building the default artifact failed: {type(e).__name__}: {e}")
+        if not path:
+            return _fail("no artifact given and no installed plugin provides a default one")
+        path = str(path)
+        options.artifact = path
+    try:
+        artifact = Artifact.open(path)
+    except ArtifactError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"cannot open artifact {path}: {e}")
+    try:
+        family_reg = host.family_for_architecture(artifact.architecture)
+        host.resolve("kv_dtype", options.engine.kv_dtype)
+    except PluginError as e:
+        return _fail(str(e))
+    from ninfer_core.tokenizer.chat_template import ChatTemplate, TemplateError
+
+    try:
+        if options.chat_template:
+            template = ChatTemplate.from_file(options.chat_template)
+        else:
+            template = ChatTemplate(artifact.chat_template) if artifact.chat_template else None
+    except TemplateError as e:
+        return _fail(str(e))
+    if template is None:
+        log.warning("the artifact has no chat template: chat requests will fail (use --chat-template FILE)")
+
+    ctx = ServerContext(options=options, plugins=host)
+    from ninfer_core.server.app import create_app
+
+    try:
+        app = create_app(ctx)
+    except PluginError as e:
+        return _fail(str(e))
+    try:
+        sock = bind_socket(options.host, options.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
+    port = sock.getsockname()[1]
+    base = _announce(options.host, port)
+    log.info("ninfer %s", build_string())
+    log.info("listening on %s (API base %s/v1)", base, base)
+    log.info("loading %s (%s) from %s", public_model_id(options, artifact), artifact.architecture, path)
+
+    import uvicorn
+
+    level = options.log_level if options.log_level in ("debug", "info", "warning", "error", "critical") else (
+        "debug" if options.log_level == "trace" else "critical")
+    config = uvicorn.Config(app, log_level="warning" if level == "info" else level,
+                            access_log=level == "debug", lifespan="off", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=30)
+    loader = _Loader(ctx, artifact, family_reg, template)
+    shutdown_done = threading.Event()
+    shutdown_lock = threading.Lock()
+
+    def shutdown_engine() -> None:
+        with shutdown_lock:
+            if shutdown_done.is_set():
+                return
+            loader.stopping.set()
+            engine = loader.engine
+            if engine is not None:
+                try:
+                    engine.shutdown()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("engine shutdown: %s", e)
+            shutdown_done.set()
+
+    def on_exit() -> None:
+        log.info("stopping")
+        threading.Thread(target=shutdown_engine, name="ninfer-shutdown", daemon=True).start()
+
+    server = _make_server(config, on_exit)
+
+    def on_failure() -> None:
+        server.should_exit = True
+
+    loader.on_failure = on_failure
+    loader.thread.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        shutdown_engine()
+    if ctx.load_error:
+        print(f"error: loading the model failed: {ctx.load_error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
