@@ -1,0 +1,120 @@
+"""Gated full attention over the paged KV cache (torch reference path).
+
+q_proj yields per head [query | gate] (2 * head_dim); q_norm / k_norm (zero-centred RMSNorm over
+head_dim) come before the partial RoPE; the attention output is multiplied by sigmoid(gate)
+before o_proj. GQA is computed by grouping query heads per KV head, never by copying K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ninfer_qwen35.config import Qwen35Config
+from ninfer_qwen35.context import ForwardContext
+from ninfer_qwen35.layers import ZeroCenteredRMSNorm, apply_rotary
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Softmax attention with GQA by grouping.
+
+    q: [B, Tq, H, d]; k, v: [B, Tk, KVH, d]; mask: bool [B, Tq, Tk] (True = may attend).
+    Returns [B, Tq, H, d]. Scores and softmax in fp32, as transformers' eager path on fp32.
+    """
+    b, tq, h, d = q.shape
+    kvh = k.shape[2]
+    grp = h // kvh
+    qg = q.reshape(b, tq, kvh, grp, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, Tq, d]
+    kt = k.permute(0, 2, 3, 1)[:, :, None]  # [B, KVH, 1, d, Tk]
+    vv = v.permute(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, Tk, d]
+    scores = (qg @ kt).float() * scale  # [B, KVH, G, Tq, Tk]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = probs @ vv  # [B, KVH, G, Tq, d]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, tq, h, d)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Qwen35Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, hidden] -> q [N, H, d], gate [N, H*d], k, v [N, KVH, d] (RoPE applied)."""
+        n = x.shape[0]
+        qg = self.q_proj(x).view(n, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        return q, gate.reshape(n, -1), k, v
+
+    def finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """attn [N, H, d] -> o_proj(attn * sigmoid(gate))."""
+        out = attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, gate, k, v = self.project(x, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.cache.kv[self.layer_idx]
+        ps = ctx.cache.page_size
+        dev = x.device
+
+        # write the new tokens' K/V: position p -> page pages[p // ps], row p % ps
+        page_ids, rows = [], []
+        for seg in ctx.segments:
+            pos = range(seg.start, seg.start + seg.length)
+            page_ids.extend(seg.pages[p // ps] for p in pos)
+            rows.extend(p % ps for p in pos)
+        page_t = torch.tensor(page_ids, device=dev)
+        row_t = torch.tensor(rows, device=dev)
+        k_cache[page_t, row_t] = k.to(k_cache.dtype)
+        v_cache[page_t, row_t] = v.to(v_cache.dtype)
+
+        if ctx.is_decode:
+            attn = self._decode(q, k_cache, v_cache, ctx)
+        else:
+            attn = torch.cat([self._prefill_segment(q, k_cache, v_cache, seg, ps) for seg in ctx.segments])
+        return self.finish(attn.to(x.dtype), gate)
+
+    def _prefill_segment(self, q, k_cache, v_cache, seg, ps):
+        """Causal attention of one segment's new queries over its cached prefix and itself."""
+        total = seg.start + seg.length
+        n_pages = -(-total // ps)
+        idx = torch.tensor(seg.pages[:n_pages], device=q.device)
+        keys = k_cache[idx].reshape(n_pages * ps, self.kv_heads, self.head_dim)[:total]
+        vals = v_cache[idx].reshape(n_pages * ps, self.kv_heads, self.head_dim)[:total]
+        qpos = torch.arange(seg.start, total, device=q.device)
+        kpos = torch.arange(total, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]
+        qs = q[seg.offset : seg.offset + seg.length]
+        return grouped_attention(qs[None], keys[None], vals[None], mask[None], self.scale)[0]
+
+    def _decode(self, q, k_cache, v_cache, ctx):
+        """One query per lane over that lane's pages, lanes padded to the longest and masked."""
+        ps = ctx.cache.page_size
+        lengths = [seg.start + 1 for seg in ctx.segments]
+        max_pages = -(-max(lengths) // ps)
+        table = [seg.pages[: -(-ln // ps)] for seg, ln in zip(ctx.segments, lengths)]
+        table = torch.tensor([t + [t[0]] * (max_pages - len(t)) for t in table], device=q.device)
+        b = len(lengths)
+        keys = k_cache[table].reshape(b, max_pages * ps, self.kv_heads, self.head_dim)
+        vals = v_cache[table].reshape(b, max_pages * ps, self.kv_heads, self.head_dim)
+        lens = torch.tensor(lengths, device=q.device)
+        mask = (torch.arange(max_pages * ps, device=q.device)[None, :] < lens[:, None])[:, None, :]
+        return grouped_attention(q[:, None], keys, vals, mask, self.scale)[:, 0]

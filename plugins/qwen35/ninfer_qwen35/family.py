@@ -1,0 +1,140 @@
+"""Qwen35Family: builds a Qwen3.5 (dense or MoE) runner from an artifact.
+
+Loading follows gpt-fast: build the modules on the meta device, then assign the artifact's
+memory-mapped tensors (cast to the run dtype / device) by name. Hugging Face names are accepted
+in both layouts: `model.language_model.*` (Qwen3_5ForConditionalGeneration, the published
+checkpoints) and `model.*` (the text-only CausalLM). MoE experts may be stored fused
+(`mlp.experts.gate_up_proj` / `down_proj`) or per expert (`mlp.experts.N.gate_proj.weight` ...).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ninfer_core.engine.model_api import ModelFamily
+from ninfer_qwen35.config import Qwen35Config
+from ninfer_qwen35.model import Qwen35TextModel
+from ninfer_qwen35.mtp import MtpHead
+from ninfer_qwen35.runner import Qwen35Runner
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+_PER_EXPERT = re.compile(
+    r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+class LoadError(ValueError):
+    """The artifact's tensors do not fit the model its config describes."""
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """None -> float32 on CPU, bfloat16 on CUDA; accepts torch dtypes and common names."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)") from None
+
+
+class Qwen35Family(ModelFamily):
+    name = "qwen35"
+
+    def load(self, artifact, device: str = "cpu", dtype: str | None = None) -> Qwen35Runner:
+        dev = torch.device(device)
+        run_dtype = resolve_dtype(dtype, dev)
+        cfg = Qwen35Config.from_hf(artifact.config, getattr(artifact, "architecture", None))
+
+        names = list(artifact.tensor_names())
+        text_names = [n for n in names if not n.startswith(("mtp.", "model.visual."))]
+        mtp_names = [n for n in names if n.startswith("mtp.")]
+
+        with torch.device("meta"):
+            model = Qwen35TextModel(cfg)
+        state = _text_state(artifact, text_names, cfg)
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        if tied:
+            state.pop("lm_head.weight", None)
+        _assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if tied else set())
+        if tied:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.init_rotary(dev)
+
+        mtp = None
+        if mtp_names:
+            with torch.device("meta"):
+                mtp = MtpHead(cfg)
+            mtp_state = {n.removeprefix("mtp."): artifact.get_tensor(n) for n in mtp_names}
+            _assign(mtp, _fuse_experts(mtp_state), run_dtype, dev)
+        eos = ()
+        tok = getattr(artifact, "tokenizer_section", None)
+        if isinstance(tok, dict):
+            eos = _eos_ids(tok)
+        return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
+
+
+def _text_state(artifact, names: list[str], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), None)
+    if prefix is None:
+        raise LoadError(
+            "no text-model layers found (expected model.language_model.layers.* or model.layers.*)"
+        )
+    state = {}
+    for n in names:
+        if n.startswith(prefix):
+            state[n[len(prefix) :]] = artifact.get_tensor(n)
+        elif n == "lm_head.weight":
+            state[n] = artifact.get_tensor(n)
+    return _fuse_experts(state)
+
+
+def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert MoE weights -> the fused [E, 2I, H] / [E, H, I] parameters (a copy)."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for n in [n for n in state if _PER_EXPERT.match(n)]:
+        m = _PER_EXPERT.match(n)
+        groups.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = state.pop(n)
+    for pre, projs in groups.items():
+        try:
+            e = len(projs["gate_proj"])
+            gate = [projs["gate_proj"][i] for i in range(e)]
+            up = [projs["up_proj"][i] for i in range(e)]
+            down = [projs["down_proj"][i] for i in range(e)]
+        except KeyError as exc:
+            raise LoadError(f"{pre}: incomplete per-expert weights (missing {exc})") from None
+        state[pre + ".gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        state[pre + ".down_proj"] = torch.stack(down)
+    return state
+
+
+def _assign(module: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, skip=()) -> None:
+    expected = {n: p for n, p in module.named_parameters() if n not in skip}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise LoadError(
+            f"weights do not match the config: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    for name, param in expected.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise LoadError(f"{name}: stored shape {tuple(t.shape)}, config expects {tuple(param.shape)}")
+        owner, _, leaf = name.rpartition(".")
+        mod = module.get_submodule(owner) if owner else module
+        setattr(mod, leaf, torch.nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+
+
+def _eos_ids(section: dict) -> tuple[int, ...]:
+    by_text = {t.get("content"): t.get("id") for t in section.get("added_tokens", [])}
+    return tuple(by_text[e] for e in section.get("eos_tokens", []) if by_text.get(e) is not None)

@@ -1,0 +1,66 @@
+"""The Qwen3.5 text model (dense or MoE): embeddings, hybrid GDN / gated-attention stack, head.
+
+Module and parameter names follow the Hugging Face checkpoint under its text prefix
+(`layers.3.self_attn.q_proj.weight` ...), so loading is a rename of the prefix only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer_qwen35.attention import GatedAttention
+from ninfer_qwen35.config import Qwen35Config
+from ninfer_qwen35.context import ForwardContext
+from ninfer_qwen35.gdn import GatedDeltaNet
+from ninfer_qwen35.layers import RotaryEmbedding, ZeroCenteredRMSNorm, make_mlp
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, layer_idx: int, layer_type: str | None = None):
+        super().__init__()
+        self.layer_type = layer_type or cfg.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_idx)
+        self.mlp = make_mlp(cfg)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.mixer(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen35TextModel(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None  # built after the weights are materialised
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def init_rotary(self, device) -> None:
+        self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope, device=device)
+
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """tokens [N] -> final-normed hidden states [N, hidden] (the input of lm_head)."""
+        x = self.embed_tokens(tokens)
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,20 @@
+"""Hook implementations of the Qwen3.5 family plugin. Importing this module never imports torch."""
+
+from __future__ import annotations
+
+from ninfer_core import hookimpl
+
+ARCHITECTURES = ["qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"]
+
+
+@hookimpl
+def ninfer_register_model_families(register):
+    register("qwen35", "ninfer_qwen35.family:Qwen35Family", architectures=list(ARCHITECTURES))
+
+
+@hookimpl
+def ninfer_default_artifact(cache_dir):
+    """The small random-weight Qwen3.5 model `ninfer serve` runs when no artifact is named."""
+    from ninfer_qwen35.default_model import ensure_default_artifact
+
+    return ensure_default_artifact(cache_dir)
