@@ -15,6 +15,7 @@ class EngineOptions:
     pending_timeout_ms: int = 600_000
     prefill_chunk: int = 1024
     decode_rounds_per_prefill: int = 0  # 0 = prefill_chunk // 64
+    concurrent_prefill: bool = False  # admit to free lanes while another lane prefills
     default_max_tokens: int | None = None
     kv_dtype: str = "bf16"
     device: str = "cpu"
@@ -87,6 +88,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pending-timeout-ms", type=_positive(1), default=600_000)
     p.add_argument("--prefill-chunk", type=_positive(1), default=1024)
     p.add_argument("--decode-rounds-per-prefill", type=_positive(0), default=0)
+    p.add_argument("--concurrent-prefill", action="store_true",
+                   help="admit waiting requests to free lanes while another request prefills")
     p.add_argument("--default-max-tokens", type=_positive(1), default=None)
     p.add_argument("--kv-dtype", default="bf16")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -105,6 +108,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         max_context=a.max_context, kv_capacity=a.kv_capacity, max_concurrency=a.max_concurrency,
         max_pending_requests=a.max_pending_requests, pending_timeout_ms=a.pending_timeout_ms,
         prefill_chunk=a.prefill_chunk, decode_rounds_per_prefill=a.decode_rounds_per_prefill,
+        concurrent_prefill=a.concurrent_prefill,
         default_max_tokens=a.default_max_tokens, kv_dtype=a.kv_dtype, device=a.device,
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,

@@ -179,7 +179,7 @@ async def test_chunked_prefill_equals_unchunked():
 @async_test
 async def test_short_prompt_prefills_before_a_long_one():
     runner = ToyRunner()
-    eng = make_engine(runner, max_concurrency=3, max_context=1024, prefill_chunk=64)
+    eng = make_engine(runner, max_concurrency=3, max_context=1024, prefill_chunk=64, concurrent_prefill=True)
     runner.pause()
     first = eng.submit(req([1, 2, 3], 3, ignore_eos=True))
     await wait_entered(runner)
@@ -192,6 +192,24 @@ async def test_short_prompt_prefills_before_a_long_one():
     assert prefills[0][2] == 3  # the first request's prompt
     assert prefills[1][2] == 20  # the short prompt goes before the long one it arrived behind
     assert [c[2] for c in prefills[2:]] == [64] * 9 + [24]
+
+
+@async_test
+async def test_staged_prefill_holds_admission_back():
+    # Without --concurrent-prefill a request is admitted only once the staged prefill finished.
+    runner = ToyRunner()
+    eng = make_engine(runner, max_concurrency=3, max_context=1024, prefill_chunk=64)
+    runner.pause()
+    first = eng.submit(req([1, 2, 3], 3, ignore_eos=True))
+    await wait_entered(runner)
+    long_h = eng.submit(req(rand_prompt(random.Random(1), 600), 2))
+    short_h = eng.submit(req([4] * 20, 2))
+    runner.resume()
+    for h in (first, long_h, short_h):
+        assert (await collect(h)).finish is not None
+    prefills = [c[2] for c in runner.calls if c[0] == "prefill"]
+    # FIFO: the long prompt (arrived first) is prefilled whole before the short one is admitted
+    assert prefills == [3] + [64] * 9 + [24] + [20]
 
 
 @async_test

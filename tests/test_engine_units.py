@@ -76,13 +76,13 @@ def test_scheduler_admits_fifo_within_lanes_and_entitlement():
     a, b, c = make_seq(10, 6), make_seq(10, 5), make_seq(10, 1)
     for s in (a, b, c):
         sched.add(s)
-    assert sched.admit() == [a]  # b's 5 pages do not fit the 4 left; c may not overtake b
+    assert sched.admit(concurrent_prefill=True) == [a]  # b's 5 pages do not fit the 4 left; c may not overtake b
     assert list(sched.waiting) == [b, c]
     assert a.status is SeqStatus.PREFILL and len(a.pages) == 6 and a.slot == 0
     sched.release(a)
     assert a.status is SeqStatus.FINISHED and sched.pages.num_free == 10
-    assert sched.admit() == [b, c]
-    assert sched.admit() == []  # lanes full
+    assert sched.admit(concurrent_prefill=True) == [b, c]
+    assert sched.admit(concurrent_prefill=True) == []  # lanes full
     assert {b.slot, c.slot} == {0, 1} and not set(b.pages) & set(c.pages)
 
 
@@ -91,7 +91,7 @@ def test_scheduler_lane_limit_and_release_of_waiting():
     a, b = make_seq(5, 1), make_seq(5, 1)
     sched.add(a)
     sched.add(b)
-    assert sched.admit() == [a]
+    assert sched.admit(concurrent_prefill=True) == [a]
     sched.release(b)  # a waiting request holds nothing
     assert not sched.waiting and b.status is SeqStatus.FINISHED
     sched.release(a)
@@ -118,7 +118,7 @@ def test_decode_batch_is_compacted_in_admission_order():
     seqs = [make_seq(3, 1) for _ in range(4)]
     for s in seqs:
         sched.add(s)
-    sched.admit()
+    sched.admit(concurrent_prefill=True)
     seqs[0].status = seqs[2].status = seqs[3].status = SeqStatus.DECODE
     assert sched.decode_batch() == [seqs[0], seqs[2], seqs[3]]
     sched.release(seqs[2])
@@ -131,7 +131,7 @@ def test_pick_prefill_shortest_remaining_first():
     long, short, mid = make_seq(500, 3), make_seq(20, 3), make_seq(100, 3)
     for s in (long, short, mid):
         sched.add(s)
-    sched.admit()
+    sched.admit(concurrent_prefill=True)
     assert sched.pick_prefill() is short
     short.num_cached = 20
     short.status = SeqStatus.DECODE
@@ -145,7 +145,7 @@ def test_pick_prefill_runs_a_lane_passed_over_eight_times():
     long, short = make_seq(1000, 2), make_seq(900, 2)
     sched.add(long)
     sched.add(short)
-    sched.admit()
+    sched.admit(concurrent_prefill=True)
     picks = [sched.pick_prefill() for _ in range(18)]
     # the long prompt waits eight units, runs one, and waits eight again
     assert picks[:8] == [short] * 8 and picks[8] is long

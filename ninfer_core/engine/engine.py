@@ -214,7 +214,7 @@ class Engine:
                     503, "request_queue_timeout",
                     "the request was not admitted before its pending timeout (--pending-timeout-ms)"))))
             if admit:
-                admitted = self.scheduler.admit()
+                admitted = self.scheduler.admit(self.options.concurrent_prefill)
                 for seq in admitted:
                     seq.t_admit = now
                     self.counters["prompt_tokens_total"] += seq.prompt_len

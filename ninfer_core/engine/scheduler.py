@@ -55,10 +55,16 @@ class Scheduler:
             return False
         return self.pages.can_allocate(self.waiting[0].entitlement_pages)
 
-    def admit(self) -> list[Sequence]:
-        """Move FIFO heads into lanes while a lane and their entitlement are free."""
+    def admit(self, concurrent_prefill: bool = False) -> list[Sequence]:
+        """Move FIFO heads into lanes while a lane and their entitlement are free.
+
+        Without concurrent prefill a staged prefill holds admission back (spec: Execution
+        behavior): a head is admitted only while no lane is prefilling, one at a time.
+        """
         admitted = []
         while self.can_admit_head():
+            if not concurrent_prefill and any(s.status is SeqStatus.PREFILL for s in self.lanes):
+                break
             seq = self.waiting.popleft()
             seq.pages = self.pages.allocate(seq.entitlement_pages)
             seq.slot = self.slots.allocate()
