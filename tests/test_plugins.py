@@ -138,11 +138,7 @@ def test_unknown_named_plugin_is_an_error():
         _host([], names=["nosuch"]).load()
 
 
-def test_broken_plugin_is_reported_with_package(make_module):
-    make_module("fake_broken", "raise RuntimeError('kaboom at import')")
-    # a module that raises at import: remove it so the entry point imports it afresh
-    del sys.modules["fake_broken"]
-
+def test_broken_plugin_is_reported_with_package():
     class Broken(FakeEntryPoint):
         def load(self):
             raise ImportError("No module named 'missing_dep'")
@@ -152,6 +148,11 @@ def test_broken_plugin_is_reported_with_package(make_module):
         host.load()
     msg = str(ei.value)
     assert "ninfer-broken" in msg and "missing_dep" in msg and "'broken'" in msg
+
+
+def test_dotted_module_that_fails_to_import_is_reported():
+    with pytest.raises(PluginLoadError, match="no_such_pkg_xyz.mod"):
+        _host([], names=["no_such_pkg_xyz.mod"]).load()
 
 
 def test_duplicate_registration_names_both_packages(make_module):
