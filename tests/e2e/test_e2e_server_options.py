@@ -24,16 +24,22 @@ def test_four_concurrent_streams_complete(start_server):
     def run(i: int) -> None:
         with openai.OpenAI(base_url=server.api_base, api_key="x", max_retries=0, timeout=120) as c:
             chunks = list(c.chat.completions.create(
-                messages=HI, model="", max_tokens=16, stream=True, seed=i,
+                messages=HI, model="", max_tokens=32, stream=True, seed=i,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
             results[i] = (chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
+    most_running = 0
+    with httpx.Client(timeout=10) as poll:
+        while any(t.is_alive() for t in threads):
+            most_running = max(most_running, poll.get(server.base_url + "/v1/load").json()["requests"]["running"])
+            threading.Event().wait(0.01)
     for t in threads:
         t.join(180)
-    assert results == {i: ("length", 16) for i in range(4)}
+    assert results == {i: ("length", 32) for i in range(4)}
+    assert most_running >= 2  # the streams shared the engine's lanes, not one after another
     load = httpx.get(server.base_url + "/v1/load").json()
     assert load["capacity"]["max_concurrency"] == 4
     assert load["requests"]["running"] == 0 and load["requests"]["admitted"] == 0
@@ -119,3 +125,27 @@ def test_startup_errors_exit_1(live_server, tiny_artifact, tmp_path):
     assert clash.returncode == 1 and "cannot listen" in clash.stderr
     kv = _cli(tiny_artifact, "--port", "0", "--kv-dtype", "int3")
     assert kv.returncode == 1 and "int3" in kv.stderr
+    template = _cli(tiny_artifact, "--port", "0", "--chat-template", str(tmp_path / "missing.jinja"))
+    assert template.returncode == 1 and "missing.jinja" in template.stderr
+
+
+def test_missing_model_family_names_the_package(tmp_path):
+    from ninfer_qwen35.testing import minimal_tokenizer_section
+
+    from ninfer_core.artifact import write_artifact
+
+    path = str(tmp_path / "gemma.ninfer")
+    write_artifact(path, {"name": "g", "architecture": "gemma4", "config": {}, "chat_template": None,
+                          "tokenizer": minimal_tokenizer_section(), "identity": {"model_id": "g"},
+                          "generation": {}}, [])
+    r = _cli(path, "--port", "0")
+    assert r.returncode == 1
+    assert "'gemma4'" in r.stderr and "ninfer-gemma4" in r.stderr
+
+
+def test_model_load_failure_after_bind_exits_1(tiny_artifact):
+    # The port is served (503) first; a load failure then stops the server with status 1.
+    r = _cli(tiny_artifact, "--port", "0", "--device", "cuda:7")
+    assert r.returncode == 1
+    assert "listening on http://127.0.0.1:" in r.stderr
+    assert "error: loading the model failed" in r.stderr
