@@ -130,8 +130,7 @@ def test_startup_errors_exit_1(live_server, tiny_artifact, tmp_path):
 
 
 def test_missing_model_family_names_the_package(tmp_path):
-    from ninfer_qwen35.testing import minimal_tokenizer_section
-
+    minimal_tokenizer_section = pytest.importorskip("ninfer_qwen35.testing").minimal_tokenizer_section
     from ninfer_core.artifact import write_artifact
 
     path = str(tmp_path / "gemma.ninfer")
