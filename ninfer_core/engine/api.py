@@ -49,6 +49,10 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() by which admission must happen (pending timeout)
+    # Scoring (rerank): the log-softmax of these ids over the whole vocabulary at the first output
+    # position, from the raw logits (no penalties, temperature or filters), reported on the finish
+    # event as `scores`. Sampling is unaffected; pair it with max_tokens 0 to generate nothing.
+    score_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -64,7 +68,8 @@ class EngineEvent:
 
     delta: `token_ids` committed and `text` (their decoded text, stop strings withheld).
     finish: `finish_reason` "stop" | "length" (| "cancelled"), `usage`, `timings`,
-            `stop_reason` detail ("eos", "stop_string", "max_tokens", "context").
+            `stop_reason` detail ("eos", "stop_string", "max_tokens", "context"),
+            `matched_stop` (the stop string that ended it), `scores` (for score_token_ids).
     error: `error` is an EngineError.
     """
 
@@ -76,6 +81,8 @@ class EngineEvent:
     usage: Usage | None = None
     timings: dict | None = None
     error: EngineError | None = None
+    matched_stop: str | None = None
+    scores: list[float] | None = None
 
 
 class RequestHandle(Protocol):

@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any
 
+import torch
+
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
 from ninfer_core.engine.budget import BudgetPolicy
@@ -246,6 +248,8 @@ class Engine:
         last = start + len(chunk) == seq.prompt_len
         try:
             logits = self.runner.prefill(view, chunk)
+            if last and seq.request.score_token_ids:
+                seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
             token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
         except Exception as exc:
             log.exception("prefill failed for request %s", seq.request_id)
@@ -302,7 +306,8 @@ class Engine:
     def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids))
         return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
-                           timings=seq.timings())
+                           timings=seq.timings(), matched_stop=seq.output.matched_stop,
+                           scores=getattr(seq, "scores", None))
 
     def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(
@@ -328,3 +333,10 @@ class Engine:
             self._cancelled.clear()
         for seq in seqs:
             self._fail(seq, err)
+
+
+def _log_probs_of(logits, token_ids: list[int]) -> list[float]:
+    """log-softmax over the whole vocabulary of the last row of `logits`, at `token_ids`."""
+    row = logits[-1] if logits.dim() > 1 else logits  # [vocab]
+    logp = torch.log_softmax(row.float(), dim=-1)
+    return logp[torch.tensor(token_ids, dtype=torch.long, device=logp.device)].tolist()
