@@ -18,7 +18,15 @@ from typing import Callable, Sequence
 import torch
 
 from ninfer_core.engine.api import EngineEvent
-from ninfer_core.engine.model_api import PAGE_SIZE, CacheSpec, KVGroup, ModelInfo, ModelRunner, SeqView
+from ninfer_core.engine.model_api import (
+    PAGE_SIZE,
+    CacheSpec,
+    KVGroup,
+    ModelInfo,
+    ModelRunner,
+    SeqView,
+    StateImage,
+)
 
 # -- tokenizer ----------------------------------------------------------------------------------
 
@@ -142,6 +150,30 @@ class ToyRunner(ModelRunner):
     def reset_slot(self, slot: int) -> None:
         self.state[slot] = 0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.state[dst] = self.state[src]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.kv[dst] = self.kv[src]
+
+    def capture_state(self, slot: int) -> StateImage:
+        return StateImage({"state": self.state[slot].clone()})
+
+    def restore_state(self, image: StateImage, slot: int) -> None:
+        t = image.tensors.get("state")
+        if t is None or tuple(t.shape) != (2,):
+            raise ValueError("StateImage does not fit the toy runner")
+        self.state[slot] = t
+
+    def read_pages(self, pages):
+        return {"kv": self.kv[torch.tensor(list(pages), dtype=torch.int64)].clone()}
+
+    def write_pages(self, pages, data) -> None:
+        t = data.get("kv")
+        if t is None or tuple(t.shape) != (len(pages), *self.kv.shape[1:]):
+            raise ValueError("KV data does not fit the toy runner's pages")
+        self.kv[torch.tensor(list(pages), dtype=torch.int64)] = t
+
     def prefill(self, seq: SeqView, tokens, all_logits: bool = False):
         tokens = [int(t) for t in tokens]
         self._enter("prefill", [seq], tokens)
@@ -161,8 +193,10 @@ class ToyRunner(ModelRunner):
             raise ValueError(f"decode of {len(seqs)} rows with {len(tokens)} tokens")
         if len({s.slot for s in seqs}) != len(seqs):
             raise RuntimeError("decode batch shares a state slot")
-        pages = [p for s in seqs for p in s.pages]
-        if len(set(pages)) != len(pages):
+        # Rows may share the full pages of a checkpoint's prefix, never the page they write.
+        written = [s.pages[s.num_cached // self.page_size] for s in seqs
+                   if s.num_cached // self.page_size < len(s.pages)]
+        if len(set(written)) != len(written):
             raise RuntimeError("decode batch shares a KV page")
         rows = []
         for s, t in zip(seqs, tokens):

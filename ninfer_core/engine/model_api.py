@@ -54,6 +54,20 @@ class SeqView:
     num_cached: int
 
 
+@dataclass
+class StateImage:
+    """The recurrent state of one sequence at an exact token frontier, outside any state slot.
+
+    `tensors` maps a name (e.g. "conv.3", "ssm.3") to a Host tensor; `nbytes` is their size.
+    """
+
+    tensors: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(t.numel() * t.element_size()) for t in self.tensors.values())
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     architecture: str
@@ -83,8 +97,37 @@ class ModelRunner(ABC):
     def reset_slot(self, slot: int) -> None:
         """Zero a state slot so a new sequence can start at position 0 in it."""
 
-    def copy_slot(self, src: int, dst: int) -> None:  # used by prefix reuse later
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one state slot into another (a Device checkpoint's StateImage to a lane, and back)."""
         raise NotImplementedError
+
+    # -- context cache (optional; a runner without these serves every request from root) -------
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one KV page of every attention layer (copy-on-write of a checkpoint's tail page)."""
+        raise NotImplementedError
+
+    def capture_state(self, slot: int) -> "StateImage":
+        """A Host copy of a state slot: every recurrent layer's conv and recurrent state."""
+        raise NotImplementedError
+
+    def restore_state(self, image: "StateImage", slot: int) -> None:
+        """Write a StateImage back into a state slot (exactly what `capture_state` read)."""
+        raise NotImplementedError
+
+    def read_pages(self, pages: Sequence[int]) -> dict[str, Any]:
+        """Host copies of KV pages, {tensor name: tensor [len(pages), ...]} (slot files, Host KV)."""
+        raise NotImplementedError
+
+    def write_pages(self, pages: Sequence[int], data: dict[str, Any]) -> None:
+        """Write what `read_pages` returned into (other) pages of the same geometry."""
+        raise NotImplementedError
+
+    @property
+    def supports_context_cache(self) -> bool:
+        """True when the runner implements copy_slot, copy_page and capture/restore_state."""
+        cls = type(self)
+        return all(getattr(cls, name) is not getattr(ModelRunner, name)
+                   for name in ("copy_slot", "copy_page", "capture_state", "restore_state"))
 
     @abstractmethod
     def prefill(self, seq: SeqView, tokens: Sequence[int], all_logits: bool = False):

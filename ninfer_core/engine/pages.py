@@ -1,6 +1,10 @@
 """The KV page pool: fixed-size pages of `PAGE_SIZE` tokens handed to sequences by id.
 
-Pure CPU bookkeeping; the model runner owns the tensors the ids index.
+Pure CPU bookkeeping; the model runner owns the tensors the ids index. Pages are reference
+counted so a checkpoint of the context cache and the sequences resumed from it share the full
+pages of a prefix; a page returns to the free list when its last holder frees it. A shared page is
+read-only by rule: whoever writes past a checkpoint's frontier into its partly filled tail page
+writes into a private copy (copy-on-write, see `ninfer_core.engine.cache`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
 
 
 class PagePool:
-    """A free list of page ids; `allocate` and `free` are all-or-nothing.
+    """A free list of page ids with reference counts; `allocate` and `free` are all-or-nothing.
 
     Freed pages are reused last-freed-first, so a sequence seldom gets a contiguous run and a
     wrong page mapping shows up in tests instead of passing by luck.
@@ -26,11 +30,15 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # allocated page -> holders
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._refs)
 
     @property
     def capacity_tokens(self) -> int:
@@ -39,19 +47,36 @@ class PagePool:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` pages; raises RuntimeError when fewer are free (the caller checks first)."""
         if n < 0 or n > len(self._free):
             raise RuntimeError(f"page pool: asked for {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
+    def share(self, pages: list[int]) -> list[int]:
+        """Add one holder to each (allocated) page and return them; pair with `free`."""
+        bad = [p for p in pages if p not in self._refs]
+        if bad:
+            raise RuntimeError(f"page pool: sharing pages not held: {sorted(bad)}")
+        for p in pages:
+            self._refs[p] += 1
+        return list(pages)
+
     def free(self, pages: list[int]) -> None:
-        """Return pages; a page that is not allocated is an invariant failure."""
-        bad = [p for p in pages if p not in self._used]
+        """Drop one holder of each page; a page that is not allocated is an invariant failure."""
+        bad = [p for p in pages if p not in self._refs]
         if bad or len(set(pages)) != len(pages):
             raise RuntimeError(f"page pool: freeing pages not held: {sorted(bad) or pages}")
         for p in pages:
-            self._used.remove(p)
-            self._free.append(p)
+            n = self._refs[p] - 1
+            if n:
+                self._refs[p] = n
+            else:
+                del self._refs[p]
+                self._free.append(p)

@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ninfer_core.engine.model_api import PAGE_SIZE, CacheSpec, KVGroup, ModelInfo, ModelRunner, SeqView
+from ninfer_core.engine.model_api import (
+    PAGE_SIZE,
+    CacheSpec,
+    KVGroup,
+    ModelInfo,
+    ModelRunner,
+    SeqView,
+    StateImage,
+)
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.context import CacheTensors, ForwardContext, Segment
 from ninfer_qwen35.model import Qwen35TextModel
@@ -91,6 +99,47 @@ class Qwen35Runner(ModelRunner):
         self._check_slot(dst)
         for t in (*self.cache.conv.values(), *self.cache.ssm.values()):
             t[dst].copy_(t[src])
+
+    # ---- context cache: checkpoints' KV pages and StateImages ---------------------------------
+    def copy_page(self, src: int, dst: int) -> None:
+        for i in (src, dst):
+            if not 0 <= i < self.num_pages:
+                raise ValueError(f"page id {i} outside the pool of {self.num_pages} pages")
+        for k, v in self.cache.kv.values():
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+    def capture_state(self, slot: int) -> StateImage:
+        self._check_slot(slot)
+        tensors = {f"conv.{i}": t[slot].to("cpu", copy=True) for i, t in self.cache.conv.items()}
+        tensors.update({f"ssm.{i}": t[slot].to("cpu", copy=True) for i, t in self.cache.ssm.items()})
+        return StateImage(tensors)
+
+    def restore_state(self, image: StateImage, slot: int) -> None:
+        self._check_slot(slot)
+        for kind, store in (("conv", self.cache.conv), ("ssm", self.cache.ssm)):
+            for i, t in store.items():
+                src = image.tensors.get(f"{kind}.{i}")
+                if src is None or tuple(src.shape) != tuple(t[slot].shape) or src.dtype != t.dtype:
+                    raise ValueError(f"StateImage does not fit this model's {kind} state of layer {i}")
+                t[slot].copy_(src)
+
+    def read_pages(self, pages):
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        out = {}
+        for i, (k, v) in self.cache.kv.items():
+            out[f"k.{i}"] = k.index_select(0, idx).cpu()
+            out[f"v.{i}"] = v.index_select(0, idx).cpu()
+        return out
+
+    def write_pages(self, pages, data) -> None:
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        for i, (k, v) in self.cache.kv.items():
+            for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
+                src = data.get(name)
+                if src is None or tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
+                    raise ValueError(f"KV data does not fit this model's pages ({name})")
+                dst.index_copy_(0, idx, src.to(dst.device, dst.dtype))
 
     # ---- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
