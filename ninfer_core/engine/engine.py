@@ -305,6 +305,11 @@ class Engine:
 
     def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids))
+        t = seq.timings() or {}
+        # Counts and rates only: a log line never carries prompt or output text.
+        log.info("request %s %s (%s): prompt %d tokens (%d cached) in %.0f ms, %d output tokens at %.1f tok/s",
+                 seq.request_id, reason, stop_reason or "-", seq.prompt_len, t.get("cache_n", 0) or 0,
+                 t.get("prompt_ms", 0.0) or 0.0, len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0)
         return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
                            timings=seq.timings(), matched_stop=seq.output.matched_stop,
                            scores=getattr(seq, "scores", None))
