@@ -1,0 +1,203 @@
+"""The shared streaming output decoder: generated text -> reasoning, content and tool calls.
+
+Every chat protocol (Chat Completions, Responses, Anthropic Messages) reads generated text
+through one `OutputDecoder`:
+
+```python
+dec = OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
+                    parallel_tool_calls=True, id_prefix="call_")
+for piece in engine_text_deltas:
+    for ev in dec.feed(piece):      # OutputEvent(kind="reasoning"|"content", text=...)
+        ...
+for ev in dec.finish():             # the rest of the content, then OutputEvent("tool_call", tool_call=ToolCall)
+    ...
+dec.reasoning, dec.content, dec.tool_calls   # aggregates (equal to the concatenated events)
+dec.parse                                      # ParseResult diagnostics after finish() (no text in logs!)
+```
+
+- Reasoning/content split: `ReasoningSplitter` (a `</think>` quoted inside reasoning stays
+  reasoning; the format newlines around the close are dropped).
+- Without `tools` (None or empty: no tools, or tool_choice none) content passes through as is.
+- With `tools`, content streams immediately except (a) a suffix that may still become a tool-call
+  marker, (b) trailing whitespace (dropped if a call follows it), and (c) everything from the first
+  marker whose region opens a function: that region is held to the end, because only the whole
+  answer decides whether it is the structured turn or quoted markup (see
+  `ninfer_core.tokenizer.toolcalls`). Markup that never opens a function is released as text.
+- Tool calls are emitted by `finish()`, each once, in order, with a fresh id (`id_prefix` + 24 hex).
+  Arguments are JSON text with the members in generated order; parameter values typed by the
+  tool's declared JSON-schema types. A call that cannot be read is a call to `malformed_tool_call`.
+- `parallel_tool_calls=False` keeps only the first call.
+- `forced_call`: the call opener the prompt ended with (tool_choice forcing a function, e.g.
+  "<tool_call>\\n<function=NAME>\\n"); the output continues that call, and the closing tags the
+  model leaves out at the end are supplied (`parse.forced_call_closed`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from ninfer_core.tokenizer.reasoning import ReasoningSplitter
+from ninfer_core.tokenizer.toolcalls import (
+    MAX_MARKERS,
+    ParseResult,
+    find_markers,
+    marker_prefix_len,
+    opens_function,
+    parse_tool_calls,
+    schema_map,
+)
+
+_WS = " \t\r\n"
+_FORCED_CLOSERS = ("", "\n</function>\n</tool_call>", "\n</parameter>\n</function>\n</tool_call>",
+                   "\n</tool_call>")
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, member order preserved
+
+
+@dataclass
+class OutputEvent:
+    kind: str  # "reasoning" | "content" | "tool_call"
+    text: str = ""
+    tool_call: ToolCall | None = None
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class OutputDecoder:
+    """Streaming decoder of one choice's generated text (see the module docstring)."""
+
+    def __init__(self, *, in_reasoning: bool, tools: list[dict] | None = None,
+                 parallel_tool_calls: bool = True, id_prefix: str = "call_",
+                 forced_call: str | None = None):
+        self._splitter = ReasoningSplitter(in_reasoning)
+        self._schemas = schema_map(tools) if tools else None
+        self._parallel = parallel_tool_calls
+        self._id_prefix = id_prefix
+        self._forced = forced_call if (forced_call and self._schemas is not None) else None
+        self._text = self._forced or ""  # the content channel as generated (forced opener first)
+        self._emitted = 0  # chars of _text already published as content
+        self._scan = len(self._text)  # where the next marker search starts
+        self._markers = 0  # markers passed over as text (they never opened a function)
+        self._region: int | None = 0 if self._forced else None  # held structured region start
+        self._finished = False
+        self.reasoning = ""
+        self.content = ""
+        self.tool_calls: list[ToolCall] = []
+        self.parse: ParseResult | None = None
+        self.forced_call_closed = False
+
+    @property
+    def parses_tools(self) -> bool:
+        return self._schemas is not None
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._splitter.in_reasoning
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        """Events this text makes publishable (possibly none)."""
+        if self._finished:
+            raise RuntimeError("OutputDecoder.feed after finish")
+        out: list[OutputEvent] = []
+        self._pieces(self._splitter.feed(text), out, final=False)
+        return out
+
+    def finish(self) -> list[OutputEvent]:
+        """Flush everything held; parse the tool-call region; emit the calls."""
+        if self._finished:
+            return []
+        out: list[OutputEvent] = []
+        self._pieces(self._splitter.finish(), out, final=True)
+        self._finished = True
+        if self._schemas is None:
+            return out
+        self.parse = self._final_parse()
+        final_content = self.parse.content
+        published = self._text[: self._emitted]
+        if final_content.startswith(published):
+            self._emit(out, "content", final_content[len(published):])
+        calls = self.parse.calls if self._parallel else self.parse.calls[:1]
+        for c in calls:
+            call = ToolCall(new_call_id(self._id_prefix), c.name, c.arguments)
+            self.tool_calls.append(call)
+            out.append(OutputEvent("tool_call", tool_call=call))
+        return out
+
+    # -- internals ------------------------------------------------------------------------------
+    def _final_parse(self) -> ParseResult:
+        text = self._text
+        if self._forced is None:
+            return parse_tool_calls(text, self._schemas)
+        stripped = text.rstrip(_WS)
+        for closers in _FORCED_CLOSERS:
+            res = parse_tool_calls(stripped + closers, self._schemas, max_markers=1)
+            if res.calls and not res.recovered:
+                self.forced_call_closed = bool(closers)
+                return res
+        return parse_tool_calls(text, self._schemas, max_markers=1)
+
+    def _emit(self, out: list[OutputEvent], kind: str, text: str) -> None:
+        if not text:
+            return
+        if kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+        if out and out[-1].kind == kind and kind != "tool_call":
+            out[-1].text += text
+        else:
+            out.append(OutputEvent(kind, text))
+
+    def _pieces(self, pieces: list[tuple[str, str]], out: list[OutputEvent], final: bool) -> None:
+        for kind, text in pieces:
+            if kind == "reasoning":
+                self._emit(out, "reasoning", text)
+            elif self._schemas is None:
+                self._emit(out, "content", text)
+            else:
+                self._text += text
+                self._advance(out, final=False)
+        if final and self._schemas is not None:
+            self._advance(out, final=True)
+
+    def _publish_to(self, out: list[OutputEvent], end: int) -> None:
+        if end > self._emitted:
+            self._emit(out, "content", self._text[self._emitted:end])
+            self._emitted = end
+
+    def _advance(self, out: list[OutputEvent], final: bool) -> None:
+        """Publish the content that can no longer belong to a tool-call region."""
+        if self._region is not None:
+            return
+        text = self._text
+        while True:
+            if self._markers >= MAX_MARKERS:  # no further marker is tried: the rest is text
+                self._publish_to(out, len(text))
+                return
+            found = find_markers(text, self._scan, 1)
+            if not found:
+                if final:
+                    return
+                end = len(text) - marker_prefix_len(text)
+                end = len(text[:end].rstrip(_WS))
+                self._publish_to(out, end)
+                return
+            pos = found[0]
+            state = opens_function(text, pos)
+            if state is True:
+                self._region = pos
+                self._publish_to(out, len(text[:pos].rstrip(_WS)))
+                return
+            if state is None and not final:
+                self._publish_to(out, len(text[:pos].rstrip(_WS)))
+                return
+            self._markers += 1
+            self._scan = pos + 1
