@@ -1,0 +1,293 @@
+"""Triton kernels of the GPU path, each with the torch reference it is tested against.
+
+- `paged_decode_attention`: one query per lane over that lane's KV pages (lanes of different
+  lengths), GQA by packing a KV head's query heads into one tile, split over pages
+  (flash-decoding) and combined by log-sum-exp.
+- `paged_prefill_attention`: a chunk of T queries of one sequence over its cached prefix pages and
+  itself, causal.
+- `gdn_decode_inplace`: one Gated DeltaNet step per lane: gate and beta from the raw projections,
+  L2-normalised q/k (GVA: value head h reads key head h // (HV / HK)), the delta rule on the
+  fp32 state read from and written back to the lane's state slot in place.
+
+Kernels run when triton is importable and the tensors are on CUDA, or on the CPU under
+TRITON_INTERPRET=1 (the kernel tests); otherwise the torch references run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # triton is optional: the CPU reference path never needs it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = tl = None
+    HAVE_TRITON = False
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    if not HAVE_TRITON:
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# torch references
+# ------------------------------------------------------------------------------------------------
+def ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
+    """q [B, H, D]; caches [P, page, KVH, D]; block_table [B, W] int; seq_lens [B] (keys per lane,
+    the new token included). Returns [B, H, D] in q's dtype (fp32 softmax)."""
+    b, h, d = q.shape
+    page, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    out = torch.empty_like(q)
+    for i in range(b):
+        n = int(seq_lens[i])
+        pages = block_table[i, : -(-n // page)].long()
+        k = k_cache[pages].reshape(-1, kvh, d)[:n].float()  # [n, KVH, D]
+        v = v_cache[pages].reshape(-1, kvh, d)[:n].float()
+        qi = q[i].float().reshape(kvh, g, d)
+        s = torch.einsum("kgd,nkd->kgn", qi, k) * scale
+        p = torch.softmax(s, dim=-1)
+        out[i] = torch.einsum("kgn,nkd->kgd", p, v).reshape(h, d).to(q.dtype)
+    return out
+
+
+def ref_paged_prefill_attention(q, k_cache, v_cache, pages, start, scale):
+    """q [T, H, D] at positions start..start+T-1; pages [n] int (the sequence's page ids). Keys
+    0..start+T-1 must already be in the cache. Returns [T, H, D] (causal, fp32 softmax)."""
+    t, h, d = q.shape
+    page, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    total = start + t
+    idx = pages[: -(-total // page)].long()
+    k = k_cache[idx].reshape(-1, kvh, d)[:total].float()
+    v = v_cache[idx].reshape(-1, kvh, d)[:total].float()
+    qf = q.float().reshape(t, kvh, g, d)
+    s = torch.einsum("tkgd,nkd->kgtn", qf, k) * scale
+    qpos = torch.arange(start, total, device=q.device)
+    kpos = torch.arange(total, device=q.device)
+    s = s.masked_fill(~(kpos[None, :] <= qpos[:, None]), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.einsum("kgtn,nkd->tkgd", p, v)
+    return o.reshape(t, h, d).to(q.dtype)
+
+
+def ref_gdn_decode(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk, dv, scale, eps=1e-6):
+    """mixed [B, 2*HK*dk + HV*dv] (conv output, after SiLU); a_raw, b_raw [B, HV]; state
+    [S, HV, dk, dv] fp32 updated in place at `slots`. Returns out [B, HV, dv] in mixed's dtype."""
+    bsz = mixed.shape[0]
+    hv = a_raw.shape[1]
+    q, k, v = torch.split(mixed.float(), [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = q.reshape(bsz, hk, dk).repeat_interleave(hv // hk, dim=1)
+    k = k.reshape(bsz, hk, dk).repeat_interleave(hv // hk, dim=1)
+    v = v.reshape(bsz, hv, dv)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps) * scale
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+    g = -A_log.float().exp() * F.softplus(a_raw.float() + dt_bias.float())
+    beta = torch.sigmoid(b_raw.float())
+    idx = slots.long()
+    s = state[idx] * g.exp()[..., None, None]
+    kv = torch.einsum("bhk,bhkv->bhv", k, s)
+    u = beta[..., None] * (v - kv)
+    s = s + k[..., :, None] * u[..., None, :]
+    out = torch.einsum("bhk,bhkv->bhv", q, s)
+    state[idx] = s
+    return out.to(mixed.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q, K, V, BT, LENS, O_PART, LSE_PART, scale,
+        s_qb, s_qh, s_kp, s_kr, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq_len = tl.load(LENS + b)
+        n_pages = (seq_len + PAGE - 1) // PAGE
+        p0 = sp * PPS
+        p1 = tl.minimum(p0 + PPS, n_pages)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, PAGE)
+        gmask = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for p in range(p0, p1):
+            page = tl.load(BT + b * s_bt + p).to(tl.int64)
+            off = page * s_kp + offs_r[:, None] * s_kr + kvh * s_kh + offs_d[None, :]
+            k = tl.load(K + off)
+            s = tl.dot(q, tl.trans(k)) * scale
+            pos = p * PAGE + offs_r
+            s = tl.where(pos[None, :] < seq_len, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(pr, 1)
+            v = tl.load(V + off)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m = m_new
+        valid = p1 > p0
+        l_safe = tl.where(l > 0, l, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(valid, m + tl.log(l_safe), float("-inf"))
+        tl.store(O_PART + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_d[None, :], out, mask=gmask[:, None])
+        tl.store(LSE_PART + b * s_lb + heads * s_lh + sp, lse, mask=gmask)
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        Q, K, V, BT, O, start, T, scale,
+        s_qt, s_qh, s_kp, s_kr, s_kh, s_ot, s_oh,
+        G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
+    ):
+        mb = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // G
+        offs_m = mb * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, PAGE)
+        mmask = offs_m < T
+        qpos = start + offs_m
+        q = tl.load(Q + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        last = tl.minimum(start + (mb + 1) * BM, start + T) - 1
+        n_pages = last // PAGE + 1
+        m = tl.full([BM], float("-inf"), tl.float32)
+        l = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        for p in range(0, n_pages):
+            page = tl.load(BT + p).to(tl.int64)
+            off = page * s_kp + offs_r[:, None] * s_kr + kvh * s_kh + offs_d[None, :]
+            k = tl.load(K + off)
+            s = tl.dot(q, tl.trans(k)) * scale
+            kpos = p * PAGE + offs_r
+            s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(pr, 1)
+            v = tl.load(V + off)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(O + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mmask[:, None])
+
+    @triton.jit
+    def _gdn_decode_kernel(
+        MIXED, A_RAW, B_RAW, A_LOG, DT_BIAS, STATE, SLOTS, OUT, scale, eps,
+        s_mb, s_ab, s_bb, s_s0, s_s1, s_s2, s_ob, s_oh,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        hv = tl.program_id(1)
+        iv = tl.program_id(2)
+        hk = hv // (HV // HK)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        offs_k = tl.arange(0, DK)
+        offs_v = iv * BV + tl.arange(0, BV)
+        row = MIXED + b * s_mb
+        q = tl.load(row + hk * DK + offs_k).to(tl.float32)
+        k = tl.load(row + HK * DK + hk * DK + offs_k).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + hv * DV + offs_v).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+        x = tl.load(A_RAW + b * s_ab + hv).to(tl.float32) + tl.load(DT_BIAS + hv).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * softplus
+        beta = tl.sigmoid(tl.load(B_RAW + b * s_bb + hv).to(tl.float32))
+        sp = STATE + slot * s_s0 + hv * s_s1 + offs_k[:, None] * s_s2 + offs_v[None, :]
+        s = tl.load(sp) * tl.exp(g)
+        kv = tl.sum(s * k[:, None], 0)
+        u = beta * (v - kv)
+        s = s + k[:, None] * u[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(sp, s)
+        tl.store(OUT + b * s_ob + hv * s_oh + offs_v, o.to(OUT.dtype.element_ty))
+
+
+def decode_split_pages(table_width: int) -> int:
+    """Pages per split of the decode kernel: at most 64 splits over a block-table row."""
+    return max(4, -(-table_width // 64))
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None):
+    """See ref_paged_decode_attention. block_table int32 [B, W]; seq_lens int32 [B] on q's device.
+    Launch shapes depend only on B and W, so the call is CUDA-graph safe."""
+    if not use_triton(q):
+        return ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+    b, h, d = q.shape
+    page, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    w = block_table.shape[1]
+    pps = pages_per_split or decode_split_pages(w)
+    splits = -(-w // pps)
+    o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(b, kvh, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps,
+        num_warps=4,
+    )
+    top = lse.max(dim=-1, keepdim=True).values
+    wts = torch.exp(lse - top)  # empty splits: exp(-inf) = 0
+    out = (o_part * wts[..., None]).sum(2) / wts.sum(-1, keepdim=True)
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, pages, start: int, scale, block_m: int = 64):
+    """See ref_paged_prefill_attention. pages: int32 tensor of the sequence's page ids."""
+    if not use_triton(q):
+        return ref_paged_prefill_attention(q, k_cache, v_cache, pages, start, scale)
+    t, h, d = q.shape
+    page, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    _paged_prefill_kernel[(triton.cdiv(t, block_m), h)](
+        q, k_cache, v_cache, pages, out, start, t, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        G=h // kvh, D=d, PAGE=page, BM=block_m,
+        num_warps=8, num_stages=2 if q.is_cuda else 1,
+    )
+    return out
+
+
+def gdn_decode_inplace(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk, dv, scale, eps=1e-6):
+    """See ref_gdn_decode. The state slots are read and written in place; CUDA-graph safe."""
+    if not use_triton(mixed):
+        return ref_gdn_decode(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk, dv, scale, eps)
+    bsz = mixed.shape[0]
+    hv = a_raw.shape[1]
+    out = torch.empty(bsz, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    bv = min(32, dv)
+    assert mixed.stride(1) == 1 and state.is_contiguous()
+    _gdn_decode_kernel[(bsz, hv, triton.cdiv(dv, bv))](
+        mixed, a_raw, b_raw, A_log, dt_bias, state, slots, out, scale, eps,
+        mixed.stride(0), a_raw.stride(0), b_raw.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
+        num_warps=4,
+    )
+    return out
+
+
+def softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,86 @@
+"""Kernel-vs-reference cases shared by the CPU interpreter tests and tests/gpu (device = cuda).
+
+Each case draws fresh random inputs, poisons the outputs the kernel writes, and checks
+||out - ref|| / ||ref|| against a bf16 tolerance; lanes have different lengths and pages are
+scattered through the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_qwen35.gpu import kernels as K
+
+
+def act_dtype(device) -> torch.dtype:
+    """bf16 on CUDA; fp16 under the CPU interpreter (its bf16 emulation is broken; the kernels
+    are dtype-generic, so fp16 exercises the same code)."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float16
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all(), "non-finite output (unwritten element?)"
+    return float((a - b).norm() / b.norm())
+
+
+def _pool(num_pages, page, kvh, d, device, gen):
+    k = torch.randn(num_pages, page, kvh, d, generator=gen, device=device).to(act_dtype(device))
+    v = torch.randn(num_pages, page, kvh, d, generator=gen, device=device).to(act_dtype(device))
+    return k, v
+
+
+def decode_attention(device="cpu", heads=8, kvh=2, d=64, lens=(1, 70, 200, 64), page=64, tol=2e-2):
+    gen = torch.Generator(device=device).manual_seed(1)
+    num_pages = 24
+    kc, vc = _pool(num_pages, page, kvh, d, device, gen)
+    width = 6
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(2)).tolist()
+    table = torch.tensor([perm[i * width:(i + 1) * width] for i in range(len(lens))], dtype=torch.int32)
+    table = table.to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), heads, d, generator=gen, device=device).to(act_dtype(device))
+    scale = d**-0.5
+    ref = K.ref_paged_decode_attention(q, kc, vc, table, seq_lens, scale)
+    for pps in (None, 1, 2):
+        out = K.paged_decode_attention(q, kc, vc, table, seq_lens, scale, pages_per_split=pps)
+        err = rel(out, ref)
+        print(f"decode attention pps={pps}: rel err {err:.2e}")
+        assert err < tol, err
+
+
+def prefill_attention(device="cpu", heads=8, kvh=2, d=64, page=64, tol=2e-2):
+    gen = torch.Generator(device=device).manual_seed(3)
+    num_pages = 16
+    kc, vc = _pool(num_pages, page, kvh, d, device, gen)
+    pages = torch.tensor([9, 2, 14, 5, 0, 11], dtype=torch.int32, device=device)
+    for start, t in ((0, 100), (70, 90), (128, 1), (0, 64)):
+        q = torch.randn(t, heads, d, generator=gen, device=device).to(act_dtype(device))
+        ref = K.ref_paged_prefill_attention(q, kc, vc, pages, start, d**-0.5)
+        out = K.paged_prefill_attention(q, kc, vc, pages, start, d**-0.5, block_m=32 if device == "cpu" else 64)
+        err = rel(out, ref)
+        print(f"prefill attention start={start} T={t}: rel err {err:.2e}")
+        assert err < tol, err
+
+
+def gdn_decode(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, tol=1e-4):
+    gen = torch.Generator(device=device).manual_seed(4)
+    slots_n = 6
+    conv = 2 * hk * dk + hv * dv
+    extra = 8  # mixed is a strided view into a wider projection row, as in the runner
+    proj = torch.randn(batch, conv + extra, generator=gen, device=device)
+    mixed = proj[:, :conv]
+    a_raw = torch.randn(batch, hv, generator=gen, device=device)
+    b_raw = torch.randn(batch, hv, generator=gen, device=device)
+    A_log = torch.rand(hv, generator=gen, device=device) * 2
+    dt_bias = torch.randn(hv, generator=gen, device=device)
+    state = torch.randn(slots_n, hv, dk, dv, generator=gen, device=device)
+    slots = torch.tensor([4, 0, 2][:batch], dtype=torch.int64, device=device)
+    ref_state = state.clone()
+    ref = K.ref_gdn_decode(mixed, a_raw, b_raw, A_log, dt_bias, ref_state, slots, hk, dk, dv, dk**-0.5)
+    out = K.gdn_decode_inplace(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk, dv, dk**-0.5)
+    e_out, e_state = rel(out, ref), rel(state, ref_state)
+    print(f"gdn decode: out rel err {e_out:.2e}, state rel err {e_state:.2e}")
+    assert e_out < tol and e_state < tol
+    untouched = [i for i in range(slots_n) if i not in slots.tolist()]
+    assert torch.equal(state[untouched], ref_state[untouched])
