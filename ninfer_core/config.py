@@ -50,6 +50,9 @@ class ServeOptions:
     max_request_mib: int = 384
     log_level: str = "info"
     usage_chunk_choice: bool = False
+    response_store_max_records: int = 1024
+    response_store_max_mib: int = 256
+    lenient_assistant_history: bool = False
     plugins: list[str] = field(default_factory=list)
     engine: EngineOptions = field(default_factory=EngineOptions)
 
@@ -79,6 +82,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["trace", "debug", "info", "warning", "error", "critical", "off"])
     p.add_argument("--usage-chunk-choice", action="store_true")
+    p.add_argument("--response-store-max-records", type=_positive(0), default=1024,
+                   help="most Responses kept for retrieval and previous_response_id (LRU)")
+    p.add_argument("--response-store-max-mib", type=_positive(0), default=256,
+                   help="total size of the stored Responses (LRU)")
+    p.add_argument("--lenient-assistant-history", action="store_true",
+                   help="Responses: assistant content or reasoning after function_call Items joins that turn")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="load only this plugin (repeatable); a dotted module path loads that module")
     p.add_argument("--max-context", type=_positive(1), default=8192)
@@ -119,5 +128,8 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         cors=a.cors, chat_template=a.chat_template, no_thinking=a.no_thinking,
         preserve_thinking=a.preserve_thinking, max_request_mib=a.max_request_mib,
         log_level=a.log_level, usage_chunk_choice=a.usage_chunk_choice, plugins=list(a.plugin),
+        response_store_max_records=getattr(a, "response_store_max_records", 1024),
+        response_store_max_mib=getattr(a, "response_store_max_mib", 256),
+        lenient_assistant_history=getattr(a, "lenient_assistant_history", False),
         engine=eng,
     )

@@ -49,6 +49,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() by which admission must happen (pending timeout)
+    # A conversation identity (a Responses chain) so later turns can reuse the cached prefix; None: anonymous.
+    session_id: str | None = None
     # Scoring (rerank): the log-softmax of these ids over the whole vocabulary at the first output
     # position, from the raw logits (no penalties, temperature or filters), reported on the finish
     # event as `scores`. Sampling is unaffected; pair it with max_tokens 0 to generate nothing.
