@@ -31,6 +31,7 @@ DEFAULT_PLUGINS: list[tuple[str, str]] = [
     ("kv_bf16", "ninfer_core.engine.kv_bf16"),
     ("ops", "ninfer_core.protocols.ops"),
     ("openai_chat", "ninfer_core.protocols.openai_chat"),
+    ("anthropic", "ninfer_core.protocols.anthropic"),
     ("responses", "ninfer_core.protocols.responses"),
 ]
 

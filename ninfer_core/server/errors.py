@@ -44,6 +44,61 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
 
 
+# -- the Anthropic Messages envelope -------------------------------------------------------------
+# /v1/messages and /v1/messages/count_tokens answer every error as
+# {"type": "error", "error": {"type", "message"[, "code", "param"]}, "request_id": "req_..."}
+# with a `request-id` header (spec: Anthropic Messages, Startup readiness). `code` and `param`
+# are NInfer additions that Anthropic clients ignore; they name the failure and the field.
+ANTHROPIC_ROUTE = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 504: "timeout_error", 529: "overloaded_error"}
+# Failures that are a deadline passing (queue wait, media acquisition): HTTP 504 on Messages.
+TIMEOUT_CODES = frozenset({"request_queue_timeout", "media_timeout", "media_fetch_timeout"})
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+
+
+def anthropic_status(status: int, code: str | None) -> int:
+    """The HTTP status on a Messages route: local overload is 529, deadlines are 504."""
+    if code == "server_overloaded":
+        return 529
+    if code in TIMEOUT_CODES:
+        return 504
+    return status
+
+
+def anthropic_error_body(status: int, message: str, request_id: str, code: str | None = None,
+                         param: str | None = None) -> dict:
+    """The Anthropic error object for an already-mapped `status` (see anthropic_status)."""
+    type_ = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    err: dict[str, Any] = {"type": type_, "message": message}
+    if code:
+        err["code"] = code
+    if param:
+        err["param"] = param
+    return {"type": "error", "error": err, "request_id": request_id}
+
+
+def anthropic_error_response(status: int, message: str, request_id: str, code: str | None = None,
+                             param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    status = anthropic_status(status, code)
+    return JSONResponse(anthropic_error_body(status, message, request_id, code, param), status_code=status,
+                        headers=headers)
+
+
+def shaped_error_response(scope: Any, status: int, message: str, type_: str = "invalid_request_error",
+                          code: str | None = None, param: str | None = None,
+                          headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the envelope of the route that failed: Anthropic on /v1/messages*, else OpenAI."""
+    if is_anthropic_path(scope.get("path", "")):
+        request_id = scope.get("state", {}).get("request_id", "")
+        return anthropic_error_response(status, message, request_id, code, param, headers)
+    return error_response(status, message, type_, code, param, headers)
+
+
 def engine_error_body(err: EngineError) -> dict:
     return error_body(err.message, err.type, err.code, err.param)
 
@@ -127,22 +182,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError):
+        if is_anthropic_path(request.scope.get("path", "")):
+            return shaped_error_response(request.scope, exc.status, exc.message, exc.type, exc.code,
+                                         exc.param)
         return engine_error_response(exc)
 
     @app.exception_handler(ValidationError)
     async def _pydantic_error(request: Request, exc: ValidationError):
-        return validation_error_response(exc.errors(include_url=False))
+        return _reshape(request, validation_error_response(exc.errors(include_url=False)))
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_validation(request: Request, exc: RequestValidationError):
         errs = list(exc.errors())
         if errs and errs[0].get("type") == "json_invalid":
-            return error_response(400, "The request body is not valid JSON.", code="invalid_json")
-        return validation_error_response(errs)
+            return shaped_error_response(request.scope, 400, "The request body is not valid JSON.",
+                                         code="invalid_json")
+        return _reshape(request, validation_error_response(errs))
 
     @app.exception_handler(RequestTooLarge)
     async def _too_large(request: Request, exc: RequestTooLarge):
-        return too_large_response(exc.limit_bytes)
+        return _reshape(request, too_large_response(exc.limit_bytes))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -151,5 +210,15 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             msg = str(exc.detail)
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, msg, type_, _STATUS_CODES.get(exc.status_code),
-                              headers=getattr(exc, "headers", None))
+        return shaped_error_response(request.scope, exc.status_code, msg, type_,
+                                     _STATUS_CODES.get(exc.status_code),
+                                     headers=getattr(exc, "headers", None))
+
+
+def _reshape(request: Request, resp: JSONResponse) -> JSONResponse:
+    """An OpenAI-envelope response re-expressed in the envelope of the failing route."""
+    if not is_anthropic_path(request.scope.get("path", "")):
+        return resp
+    err = json.loads(resp.body)["error"]
+    return shaped_error_response(request.scope, resp.status_code, err["message"], err["type"], err["code"],
+                                 err["param"])

@@ -21,7 +21,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import RequestTooLarge, error_response, too_large_response
+from ninfer_core.server.errors import (
+    RequestTooLarge,
+    anthropic_error_response,
+    error_response,
+    is_anthropic_path,
+    shaped_error_response,
+    too_large_response,
+)
 from ninfer_core.version import build_string
 
 log = logging.getLogger("ninfer.server")
@@ -57,6 +64,9 @@ class ServerMiddleware:
         origin = headers.get("origin")
         cors = self.ctx.options.cors and origin is not None
         started = False
+        # Anthropic routes carry their request id as `request-id` (their own header contract).
+        anthropic = is_anthropic_path(scope["path"])
+        id_header = "request-id" if anthropic else "x-request-id"
 
         async def send_wrapper(message: Message) -> None:
             nonlocal started
@@ -64,17 +74,21 @@ class ServerMiddleware:
                 started = True
                 hs = MutableHeaders(scope=message)
                 hs["X-NInfer-Version"] = self._version
-                if "x-request-id" not in hs:
-                    hs["x-request-id"] = request_id
+                if id_header not in hs:
+                    hs[id_header] = request_id
                 if cors:
                     hs["Access-Control-Allow-Origin"] = "*"
-                    hs["Access-Control-Expose-Headers"] = "x-request-id, X-NInfer-Version, Retry-After"
+                    hs["Access-Control-Expose-Headers"] = f"{id_header}, X-NInfer-Version, Retry-After"
             await send(message)
 
         try:
             if not self.ctx.ready:
-                resp = error_response(503, LOADING_MESSAGE, "service_unavailable", "model_loading",
-                                      headers={"Retry-After": "2"})
+                if anthropic:  # the spec's exact Anthropic loading envelope (no code field)
+                    resp = anthropic_error_response(503, LOADING_MESSAGE, request_id,
+                                                    headers={"Retry-After": "2"})
+                else:
+                    resp = error_response(503, LOADING_MESSAGE, "service_unavailable", "model_loading",
+                                          headers={"Retry-After": "2"})
                 await resp(scope, receive, send_wrapper)
                 return
             preflight = method == "OPTIONS" and "access-control-request-method" in headers
@@ -83,20 +97,26 @@ class ServerMiddleware:
                 return
             exempt = preflight or (method in ("GET", "HEAD") and scope["path"] == "/health")
             if self._key is not None and not exempt and not self._authorized(headers):
-                resp = error_response(401, "Invalid or missing API key. Send it as 'Authorization: Bearer "
-                                      "<key>' or 'x-api-key: <key>'.", "authentication_error",
-                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                resp = shaped_error_response(
+                    scope, 401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>' or "
+                    "'x-api-key: <key>'.", "authentication_error", "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send_wrapper)
                 return
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self._limit:
-                await too_large_response(self._limit)(scope, receive, send_wrapper)
+                resp = too_large_response(self._limit)
+                if anthropic:
+                    resp = shaped_error_response(scope, 413, RequestTooLarge(self._limit).args[0],
+                                                 code="request_too_large")
+                await resp(scope, receive, send_wrapper)
                 return
             await self.app(scope, self._limited(receive), send_wrapper)
         except Exception:  # noqa: BLE001 - the last line of defence keeps the envelope and headers
             log.exception("internal error on %s %s", method, scope.get("path"))
             if not started:
-                resp = error_response(500, "Internal server error.", "server_error", "internal_error")
+                resp = shaped_error_response(scope, 500, "Internal server error.", "server_error",
+                                             "internal_error")
                 await resp(scope, receive, send_wrapper)
 
     def _authorized(self, headers: Headers) -> bool:

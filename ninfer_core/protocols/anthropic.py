@@ -1,0 +1,337 @@
+"""Built-in protocol plugin: Anthropic Messages (POST /v1/messages, POST /v1/messages/count_tokens).
+
+The adapter validates and lowers the request (anthropic_request), renders the prompt on a worker
+thread, submits a GenerationRequest through the engine-client interface, reads the generated
+text through the shared OutputDecoder (reasoning, text, tool calls) and writes Anthropic content
+blocks, either as one Message or as the SSE block lifecycle. Errors on these routes use the
+Anthropic envelope (server/errors.py) with `request_id` and a `request-id` header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ninfer_core import hookimpl
+from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
+from ninfer_core.protocols.anthropic_history import omitted_signature, visible_signature
+from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
+from ninfer_core.server.context import Ingress, ServerContext
+from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body
+from ninfer_core.server.output import OutputDecoder, OutputEvent
+from ninfer_core.server.prepare import opens_reasoning, render_prompt_ids, resolve_sampling
+from ninfer_core.server.sse import (
+    KEEPALIVE,
+    ClientDisconnected,
+    EventStreamResponse,
+    unless_disconnected,
+    with_keepalive,
+)
+
+_LARGE_BODY = 256 * 1024
+PING = 'event: ping\ndata: {"type":"ping"}\n\n'
+log = logging.getLogger("ninfer.server")
+
+
+def sse_event(obj: dict) -> str:
+    """One Anthropic SSE event: the `event:` name is the object's type."""
+    return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    opens_reasoning: bool
+
+
+def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
+    """Render the lowered conversation to ids; a prefill or a forced call opener continues it.
+
+    Host work: run it on a worker thread.
+    """
+    prepared = render_prompt_ids(ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs)
+    ids = list(prepared.ids)
+    tok = ctx.tokenizer
+    if plan.prefill:
+        ids += tok.encode(plan.prefill, allow_special=False)  # caller text: never control tokens
+    if plan.forced_call:
+        ids += tok.encode(plan.forced_call, allow_special=True)  # template markup (a validated name)
+    return Prompt(ids, opens_reasoning(tok, ids))
+
+
+def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    """Anthropic usage: input_tokens excludes the reused prefix, reported as cache reads."""
+    return {"input_tokens": max(0, prompt_tokens - cached), "output_tokens": output_tokens,
+            "cache_creation_input_tokens": None, "cache_read_input_tokens": cached}
+
+
+def stop_reason(ev: EngineEvent, tool_calls: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finish event."""
+    if ev.finish_reason == "length":
+        return ("model_context_window_exceeded" if ev.stop_reason == "context" else "max_tokens"), None
+    if ev.stop_reason == "stop_string":
+        return "stop_sequence", ev.matched_stop
+    return ("tool_use" if tool_calls else "end_turn"), None
+
+
+class BlockWriter:
+    """Decoder events -> Anthropic content blocks, with the SSE events of their lifecycle.
+
+    A text block opens only at non-whitespace text (Anthropic refuses whitespace-only text blocks
+    when a client replays them); a Thinking block closes with its signature_delta. With display
+    "omitted" a Thinking block has empty text, no thinking_delta, and the reasoning in its signature.
+    """
+
+    def __init__(self, omitted: bool):
+        self.omitted = omitted
+        self.blocks: list[dict] = []
+        self._open: dict | None = None
+        self._reasoning: list[str] = []
+        self._ws = ""
+        self.tool_calls = 0
+
+    def _start(self, block: dict, events: list[dict]) -> None:
+        self.close(events)
+        self._open = block
+        self.blocks.append(block)
+        start = dict(block)
+        if block["type"] == "tool_use":
+            start["input"] = {}
+        events.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": start})
+
+    def _delta(self, delta: dict, events: list[dict]) -> None:
+        events.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
+
+    def close(self, events: list[dict]) -> None:
+        block, self._open = self._open, None
+        if block is None:
+            return
+        if block["type"] == "thinking":
+            reasoning = "".join(self._reasoning)
+            self._reasoning = []
+            sign = omitted_signature if self.omitted else visible_signature
+            block["signature"] = sign(reasoning)
+            if not self.omitted:
+                block["thinking"] = reasoning
+            self._delta({"type": "signature_delta", "signature": block["signature"]}, events)
+        elif block["type"] == "text":
+            block["text"] = "".join(block.pop("_parts"))
+        events.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
+
+    def feed(self, items: list[OutputEvent]) -> list[dict]:
+        events: list[dict] = []
+        for item in items:
+            if item.kind == "reasoning" and item.text:
+                if self._open is None or self._open["type"] != "thinking":
+                    self._start({"type": "thinking", "thinking": "", "signature": ""}, events)
+                self._reasoning.append(item.text)
+                if not self.omitted:
+                    self._delta({"type": "thinking_delta", "thinking": item.text}, events)
+            elif item.kind == "content" and item.text:
+                text = item.text
+                if self._open is None or self._open["type"] != "text":
+                    text, self._ws = self._ws + text, ""
+                    if not text.strip():
+                        self._ws = text
+                        continue
+                    self._start({"type": "text", "text": "", "_parts": []}, events)
+                    events[-1]["content_block"] = {"type": "text", "text": ""}
+                self._open["_parts"].append(text)
+                self._delta({"type": "text_delta", "text": text}, events)
+            elif item.kind == "tool_call" and item.tool_call is not None:
+                call = item.tool_call
+                try:
+                    args = json.loads(call.arguments) if call.arguments.strip() else {}
+                except json.JSONDecodeError:
+                    args = {}
+                if not isinstance(args, dict):
+                    args = {}
+                self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": args}, events)
+                self._delta({"type": "input_json_delta",
+                             "partial_json": call.arguments if call.arguments.strip() else "{}"}, events)
+                self.close(events)
+                self.tool_calls += 1
+        return events
+
+
+def _cancelled_error() -> EngineError:
+    return EngineError(503, "request_cancelled", "The request was cancelled before it completed.")
+
+
+def _internal_error(why: str) -> EngineError:
+    return EngineError(500, "internal_error", why, type_="server_error")
+
+
+class AnthropicMessages:
+    """The protocol object the host mounts: `mount(router, ctx)` adds the two Messages routes."""
+
+    name = "anthropic"
+
+    def mount(self, router: APIRouter, ctx: ServerContext) -> None:
+        eng = ctx.options.engine
+        # Token counts have their own capacity of the generation size (spec: Execution behavior).
+        counts = Ingress(eng.max_concurrency + eng.max_pending_requests)
+
+        async def messages(request: Request) -> Response:
+            return await self.handle(request, ctx)
+
+        async def count_tokens(request: Request) -> Response:
+            return await self.count(request, ctx, counts)
+
+        router.add_api_route("/v1/messages", messages, methods=["POST"])
+        router.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+
+    @staticmethod
+    async def _plan(request: Request, ctx: ServerContext, count_only: bool) -> MessagesPlan:
+        raw = await request.body()
+
+        def parse() -> MessagesPlan:
+            return parse_request(parse_json_body(raw), ctx, count_only)
+
+        if len(raw) > _LARGE_BODY:  # parsing a large body is host work: keep it off the event loop
+            return await anyio.to_thread.run_sync(parse)
+        return parse()
+
+    async def count(self, request: Request, ctx: ServerContext, counts: Ingress) -> Response:
+        plan = await self._plan(request, ctx, count_only=True)
+        counts.acquire()
+        try:
+            prompt = await anyio.to_thread.run_sync(prepare_prompt, ctx, plan)
+        finally:
+            counts.release()
+        return JSONResponse({"input_tokens": len(prompt.ids)})
+
+    async def handle(self, request: Request, ctx: ServerContext) -> Response:
+        deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
+        request_id = request.scope.get("state", {}).get("request_id", "")
+        plan = await self._plan(request, ctx, count_only=False)
+        ctx.ingress.acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                ctx.ingress.release()
+
+        try:
+            prompt = await anyio.to_thread.run_sync(prepare_prompt, ctx, plan)
+            sampling = resolve_sampling(ctx, plan.thinking, plan.sampling_request, None)
+            gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens,
+                                    stop=plan.stop, request_id=request_id, deadline=deadline)
+            handle = ctx.engine.submit(gen)
+        except BaseException:
+            release()
+            raise
+        mid = "msg_" + uuid.uuid4().hex[:24]
+        if plan.stream:
+            body = self._stream(ctx, handle, plan, prompt, mid, request_id)
+            return EventStreamResponse(body, on_disconnect=handle.cancel, on_close=release)
+        try:
+            result = await unless_disconnected(request, self._aggregate(handle, plan, prompt, mid),
+                                               handle.cancel)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            release()
+        return JSONResponse(result)
+
+    @staticmethod
+    def _decoder(plan: MessagesPlan, prompt: Prompt) -> OutputDecoder:
+        return OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
+                             parallel_tool_calls=plan.parallel_tool_calls, id_prefix="toolu_",
+                             forced_call=plan.forced_call)
+
+    async def _aggregate(self, handle, plan: MessagesPlan, prompt: Prompt, mid: str) -> dict:
+        decoder = self._decoder(plan, prompt)
+        writer = BlockWriter(plan.display_omitted)
+        async for ev in handle.events():
+            if ev.kind == "delta":
+                writer.feed(decoder.feed(ev.text))
+            elif ev.kind == "error":
+                raise ev.error
+            elif ev.kind == "finish":
+                if ev.finish_reason == "cancelled":
+                    raise _cancelled_error()
+                writer.feed(decoder.finish())
+                writer.close([])
+                reason, sequence = stop_reason(ev, writer.tool_calls > 0)
+                u = ev.usage
+                return {"id": mid, "type": "message", "role": "assistant", "model": plan.model,
+                        "content": writer.blocks, "stop_reason": reason, "stop_sequence": sequence,
+                        "usage": usage(u.prompt_tokens if u else len(prompt.ids), u.cached_tokens if u else 0,
+                                       u.completion_tokens if u else 0)}
+        raise _internal_error("The engine ended the request without finishing it.")
+
+    async def _stream(self, ctx: ServerContext, handle, plan: MessagesPlan, prompt: Prompt, mid: str,
+                      request_id: str) -> AsyncIterator[str]:
+        decoder = self._decoder(plan, prompt)
+        writer = BlockWriter(plan.display_omitted)
+        started = False
+
+        def error_event(err: EngineError) -> str:
+            status = anthropic_status(err.status, err.code)
+            return sse_event(anthropic_error_body(status, err.message, request_id, err.code, err.param))
+
+        def message_start(ev: EngineEvent) -> str:
+            u = ev.usage
+            prompt_tokens = u.prompt_tokens if u and u.prompt_tokens else len(prompt.ids)
+            return sse_event({"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": usage(prompt_tokens, u.cached_tokens if u else 0, 0)}})
+
+        try:
+            async with aclosing(with_keepalive(handle.events(), ctx.keepalive_s)) as events:
+                async for ev in events:
+                    if ev is None:
+                        yield KEEPALIVE + PING  # clients skip ping; it shows a queued request is alive
+                        continue
+                    if ev.kind == "error":
+                        yield error_event(ev.error)
+                        return
+                    if ev.kind == "finish" and ev.finish_reason == "cancelled":
+                        yield error_event(_cancelled_error())
+                        return
+                    if not started:  # message_start follows admission (its usage split is then exact)
+                        started = True
+                        yield message_start(ev)
+                    if ev.kind == "delta":
+                        for obj in writer.feed(decoder.feed(ev.text)):
+                            yield sse_event(obj)
+                    elif ev.kind == "finish":
+                        tail = writer.feed(decoder.finish())
+                        writer.close(tail)
+                        for obj in tail:
+                            yield sse_event(obj)
+                        reason, sequence = stop_reason(ev, writer.tool_calls > 0)
+                        u = ev.usage
+                        yield sse_event({"type": "message_delta",
+                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                         "usage": usage(u.prompt_tokens if u else len(prompt.ids),
+                                                        u.cached_tokens if u else 0,
+                                                        u.completion_tokens if u else 0)})
+                        yield sse_event({"type": "message_stop"})
+                        return
+        except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
+            log.exception("messages stream failed")
+            yield error_event(_internal_error(f"Internal server error: {type(e).__name__}"))
+            return
+        yield error_event(_internal_error("The engine ended the request without finishing it."))
+
+
+PROTOCOL = AnthropicMessages()
+
+
+@hookimpl
+def ninfer_register_protocols(register):
+    register("anthropic", "ninfer_core.protocols.anthropic:PROTOCOL")

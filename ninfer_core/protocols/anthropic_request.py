@@ -1,0 +1,392 @@
+"""Anthropic Messages request checks: from the wire body to a MessagesPlan the adapter runs.
+
+Validation is written out by hand rather than with pydantic because Messages content is a list
+of differently shaped blocks whose rules depend on the role, the position in the conversation and
+the request's thinking mode; every failure names its field (`param`, e.g. "tools.0.input_schema")
+and a NInfer error code. This module reads the top-level fields, thinking and tools; the history
+(system, messages, content blocks) is lowered by anthropic_history.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer_core.protocols.anthropic_history import (
+    check_cache_control,
+    is_int,
+    is_number,
+    lower_conversation,
+    missing,
+    number_in,
+    opt_bool,
+    wrong_type,
+)
+from ninfer_core.server.context import ServerContext
+from ninfer_core.server.errors import bad_request
+
+MIN_THINKING_BUDGET = 1024
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+EFFORTS = ("low", "medium", "high", "max")
+# Template inputs the request cannot replace through chat_template_kwargs.
+RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                   "continue_final_message", "add_vision_id")
+
+
+@dataclass
+class MessagesPlan:
+    """A validated Messages request, ready to render and submit."""
+
+    model: str
+    messages: list[dict]  # chat-template messages
+    tools: list[dict] | None  # OpenAI-form function tools as rendered (None: no tools offered)
+    thinking: bool
+    display_omitted: bool = False
+    thinking_budget: int | None = None
+    prefill: str | None = None  # text the final assistant turn already has (continued in place)
+    forced_call: str | None = None  # the tool-call opener the prompt ends with (forced selection)
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int | None = None  # None: the default output limit
+    stream: bool = False
+    sampling_request: dict[str, Any] = field(default_factory=dict)
+    post_thinking: dict[str, Any] | None = None
+
+
+# -- the request ----------------------------------------------------------------------------------
+
+def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> MessagesPlan:
+    """A Messages (or count_tokens) body -> MessagesPlan, or the 400 naming the offending field.
+
+    `count_only`: output-only fields (max_tokens, stream, sampling, stop_sequences, display,
+    output_config.format) are not read, so they cannot change or fail a token count.
+    """
+    if not isinstance(data, dict):
+        raise bad_request("invalid_type", "The request body must be a JSON object.", None)
+    model = data.get("model")
+    if model is None:
+        raise missing("model")
+    if not isinstance(model, str):
+        raise wrong_type("model", "a string")
+    if not model:
+        raise bad_request("invalid_value", "'model' must be a non-empty string.", "model")
+    _refuse_executors(data)
+    _graft(data)
+
+    thinking, explicit, budget, omitted = _thinking(data, ctx, count_only)
+    kwargs, thinking, explicit = _template_kwargs(data, ctx, thinking, explicit)
+    tools, forced, parallel, thinking = _tools(data, thinking, explicit)
+    messages, prefill = lower_conversation(data, thinking, explicit)
+    plan = MessagesPlan(model=model, messages=messages, tools=tools, thinking=thinking,
+                        display_omitted=omitted, thinking_budget=budget if thinking else None,
+                        prefill=prefill, forced_call=forced, parallel_tool_calls=parallel,
+                        template_kwargs=kwargs)
+    if count_only:
+        return plan
+    plan.max_tokens = _max_tokens(data)
+    stream = opt_bool(data, "stream")
+    plan.stream = bool(stream)
+    plan.stop = _stop_sequences(data.get("stop_sequences"))
+    top_k = data.get("top_k")
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
+        raise (bad_request("invalid_value", "'top_k' must be a non-negative integer.", "top_k")
+               if is_int(top_k) else wrong_type("top_k", "an integer"))
+    plan.sampling_request = {"temperature": number_in(data, "temperature", 0.0, 1.0),
+                             "top_p": number_in(data, "top_p", 0.0, 1.0, lo_open=True), "top_k": top_k}
+    plan.post_thinking = _post_thinking(data.get("post_thinking"))
+    _output_format(data)
+    return plan
+
+
+def _refuse_executors(data: dict) -> None:
+    if data.get("container") is not None:
+        raise bad_request("container_not_supported", "Containers are not supported: this server has no "
+                          "code-execution container.", "container")
+    if data.get("mcp_servers"):
+        raise bad_request("mcp_not_supported", "MCP servers are not supported: this server has no MCP "
+                          "connector.", "mcp_servers")
+    if data.get("context_management") is not None:
+        raise bad_request("context_management_not_supported", "context_management is not supported: the "
+                          "server does not edit the conversation it is sent.", "context_management")
+
+
+def _graft(data: dict) -> None:
+    graft = data.get("graft")
+    if graft is None or graft == "":
+        return
+    if not isinstance(graft, str):
+        raise wrong_type("graft", "a string")
+    raise bad_request("unknown_graft", f"No prompt graft named '{graft}' is loaded on this server.", "graft")
+
+
+def _max_tokens(data: dict) -> int | None:
+    v = data.get("max_tokens")
+    if v is None:
+        return None
+    if not is_int(v):
+        raise wrong_type("max_tokens", "an integer")
+    if v < 1:
+        raise bad_request("invalid_value", "'max_tokens' must be at least 1 (omit it for the default output "
+                          "limit; a zero-output request is not supported).", "max_tokens")
+    return v
+
+
+def _stop_sequences(stops: Any) -> list[str]:
+    if stops is None:
+        return []
+    if not isinstance(stops, list):
+        raise wrong_type("stop_sequences", "a list of strings")
+    for i, s in enumerate(stops):
+        if not isinstance(s, str):
+            raise wrong_type(f"stop_sequences.{i}", "a string")
+        if s == "":
+            raise bad_request("invalid_value", "Stop sequences must be non-empty.", f"stop_sequences.{i}")
+    return list(stops)
+
+
+def _thinking(data: dict, ctx: ServerContext, count_only: bool) -> tuple[bool, bool, int | None, bool]:
+    """(thinking, explicitly chosen, budget, display omitted)."""
+    cfg = data.get("thinking")
+    if cfg is None:
+        return not ctx.options.no_thinking, False, None, False
+    if not isinstance(cfg, dict):
+        raise wrong_type("thinking", "an object")
+    kind = cfg.get("type")
+    if kind is None:
+        raise missing("thinking.type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_request("invalid_value", "'thinking.type' must be enabled, disabled or adaptive.",
+                          "thinking.type")
+    display = cfg.get("display")
+    if display is not None and display not in ("summarized", "omitted"):
+        raise bad_request("invalid_value", "'thinking.display' must be summarized or omitted.",
+                          "thinking.display")
+    omitted = display == "omitted" and not count_only
+    if kind == "disabled":
+        return False, True, None, False
+    budget = None
+    if kind == "enabled":
+        budget = cfg.get("budget_tokens")
+        if budget is None:
+            raise missing("thinking.budget_tokens")
+        if not is_int(budget):
+            raise wrong_type("thinking.budget_tokens", "an integer")
+        if budget < MIN_THINKING_BUDGET:
+            raise bad_request("invalid_value", f"'thinking.budget_tokens' must be at least "
+                              f"{MIN_THINKING_BUDGET}, got {budget}.", "thinking.budget_tokens")
+    return True, True, budget, omitted
+
+
+def _template_kwargs(data: dict, ctx: ServerContext, thinking: bool,
+                     explicit: bool) -> tuple[dict[str, Any], bool, bool]:
+    raw = data.get("chat_template_kwargs")
+    if raw is not None and not isinstance(raw, dict):
+        raise wrong_type("chat_template_kwargs", "an object")
+    kwargs = dict(raw or {})
+    for key in RESERVED_KWARGS:
+        if key in kwargs:
+            raise bad_request("invalid_value", f"'{key}' cannot be set through chat_template_kwargs.",
+                              f"chat_template_kwargs.{key}")
+    enable = kwargs.pop("enable_thinking", None)
+    if enable is not None:
+        if not isinstance(enable, bool):
+            raise wrong_type("chat_template_kwargs.enable_thinking", "a boolean")
+        if explicit and enable != thinking:
+            raise bad_request("invalid_value", "chat_template_kwargs.enable_thinking disagrees with "
+                              "'thinking'.", "chat_template_kwargs.enable_thinking")
+        thinking, explicit = enable, True
+    preserve = opt_bool(data, "preserve_thinking")
+    inner = kwargs.pop("preserve_thinking", None)
+    if inner is not None:
+        if not isinstance(inner, bool):
+            raise wrong_type("chat_template_kwargs.preserve_thinking", "a boolean")
+        if preserve is not None and preserve != inner:
+            raise bad_request("invalid_value", "chat_template_kwargs.preserve_thinking disagrees with "
+                              "'preserve_thinking'.", "chat_template_kwargs.preserve_thinking")
+        preserve = inner
+    if preserve is None and ctx.options.preserve_thinking:
+        preserve = True
+    if preserve is not None:
+        kwargs["preserve_thinking"] = preserve
+
+    effort = None
+    oc = data.get("output_config")
+    if oc is not None:
+        if not isinstance(oc, dict):
+            raise wrong_type("output_config", "an object")
+        effort = oc.get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise bad_request("invalid_value", f"'output_config.effort' must be one of {', '.join(EFFORTS)}.",
+                              "output_config.effort")
+    inner_effort = kwargs.pop("reasoning_effort", None)
+    if inner_effort is not None and effort is not None and inner_effort != effort:
+        raise bad_request("invalid_value", "chat_template_kwargs.reasoning_effort disagrees with "
+                          "'output_config.effort'.", "chat_template_kwargs.reasoning_effort")
+    effort = effort if effort is not None else inner_effort
+    if effort is not None:
+        kwargs["reasoning_effort"] = template_effort(effort)
+    return kwargs, thinking, explicit
+
+
+def template_effort(effort: Any) -> Any:
+    """The nearest effort the Qwen templates accept: minimal -> low, high/max -> xhigh."""
+    return {"minimal": "low", "high": "xhigh", "max": "xhigh"}.get(effort, effort)
+
+
+def _output_format(data: dict) -> None:
+    oc = data.get("output_config")
+    fmt = oc.get("format") if isinstance(oc, dict) else None
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict):
+        raise wrong_type("output_config.format", "an object")
+    if fmt.get("type") != "json_schema":
+        raise bad_request("invalid_value", "'output_config.format.type' must be json_schema.",
+                          "output_config.format.type")
+    raise bad_request("output_format_not_supported", "output_config.format needs a server started with "
+                      "--structured-output, which this build does not offer yet.", "output_config.format")
+
+
+_POST_THINKING = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+                  "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+
+
+def _post_thinking(obj: Any) -> dict[str, Any] | None:
+    """The post_thinking object (temperature 0..1 on Messages), validated field by field."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise wrong_type("post_thinking", "an object")
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        param = f"post_thinking.{key}"
+        if value is None:
+            continue
+        if key in _POST_THINKING:
+            lo, hi = _POST_THINKING[key]
+            if not is_number(value):
+                raise wrong_type(param, "a number")
+            if not lo <= value <= hi or (key == "top_p" and value == 0):
+                raise bad_request("invalid_value", f"'{param}' is out of range.", param)
+        elif key == "top_k":
+            if not is_int(value):
+                raise wrong_type(param, "an integer")
+            if value < 0:
+                raise bad_request("invalid_value", f"'{param}' must be non-negative.", param)
+        elif key == "seed":
+            if not is_int(value):
+                raise wrong_type(param, "an integer")
+        else:
+            raise bad_request("invalid_value", f"'{key}' is not a post_thinking field.", param)
+        out[key] = value
+    return out
+
+
+# -- tools ------------------------------------------------------------------------------------------
+
+def _tools(data: dict, thinking: bool, explicit: bool) -> tuple[list[dict] | None, str | None, bool, bool]:
+    """(tools as rendered, forced call opener, parallel calls allowed, thinking)."""
+    raw = data.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise wrong_type("tools", "a list")
+    tools: list[dict] = []
+    names: set[str] = set()
+    for i, t in enumerate(raw or []):
+        p = f"tools.{i}"
+        if not isinstance(t, dict):
+            raise wrong_type(p, "an object")
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            if kind == "mcp_toolset":
+                raise bad_request("mcp_not_supported", "MCP toolsets are not supported: this server has no "
+                                  "MCP connector.", f"{p}.type")
+            raise bad_request("tool_type_not_supported", f"Tool type '{kind}' is an Anthropic-provided "
+                              "server tool; this server has no executor for it. Declare a custom tool with "
+                              "an input_schema instead.", f"{p}.type")
+        name = t.get("name")
+        if name is None:
+            raise missing(f"{p}.name")
+        if not isinstance(name, str):
+            raise wrong_type(f"{p}.name", "a string")
+        if not TOOL_NAME.match(name):
+            raise bad_request("invalid_value", "A tool name must match ^[a-zA-Z0-9_-]{1,128}$.", f"{p}.name")
+        if name in names:
+            raise bad_request("invalid_value", f"Tool name '{name}' is declared twice.", f"{p}.name")
+        names.add(name)
+        if t.get("strict") is True:
+            raise bad_request("strict_tools_not_supported", "strict: true needs schema-constrained decoding "
+                              "of tool input, which this server does not provide.", f"{p}.strict")
+        if t.get("defer_loading") is True:
+            raise bad_request("deferred_tools_not_supported", "Deferred tools need a tool-search executor, "
+                              "which this server does not have.", f"{p}.defer_loading")
+        callers = t.get("allowed_callers")
+        if callers is not None and (not isinstance(callers, list) or "direct" not in callers):
+            raise bad_request("tool_callers_not_supported", "A tool the model may not call directly needs a "
+                              "programmatic tool executor, which this server does not have.",
+                              f"{p}.allowed_callers")
+        schema = t.get("input_schema")
+        if schema is None:
+            raise missing(f"{p}.input_schema")
+        if not isinstance(schema, dict):
+            raise wrong_type(f"{p}.input_schema", "an object")
+        if schema.get("type", "object") != "object":
+            raise bad_request("invalid_value", "input_schema must describe an object (type: object).",
+                              f"{p}.input_schema.type")
+        desc = t.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise wrong_type(f"{p}.description", "a string")
+        examples = t.get("input_examples")
+        if examples is not None and not isinstance(examples, list):
+            raise wrong_type(f"{p}.input_examples", "a list")
+        check_cache_control(t, p)
+        fn: dict[str, Any] = {"name": name}
+        if desc is not None:
+            fn["description"] = desc
+        fn["parameters"] = schema
+        if examples:
+            fn["input_examples"] = examples
+        tools.append({"type": "function", "function": fn})
+
+    choice = data.get("tool_choice")
+    parallel = True
+    forced: str | None = None
+    if choice is None:
+        return (tools or None), None, True, thinking
+    if not isinstance(choice, dict):
+        raise wrong_type("tool_choice", "an object")
+    kind = choice.get("type")
+    if kind not in ("auto", "none", "tool", "any"):
+        raise bad_request("invalid_value", "'tool_choice.type' must be auto, none, tool or any.",
+                          "tool_choice.type")
+    if opt_bool(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use"):
+        parallel = False
+    if kind == "none":
+        return None, None, parallel, thinking
+    target = None
+    if kind == "tool":
+        name = choice.get("name")
+        if name is None:
+            raise missing("tool_choice.name")
+        if not isinstance(name, str):
+            raise wrong_type("tool_choice.name", "a string")
+        if name not in names:
+            raise bad_request("invalid_value", f"tool_choice names '{name}', which is not a declared tool.",
+                              "tool_choice.name")
+        target = name
+    elif kind == "any":
+        if not tools:
+            raise bad_request("invalid_value", "tool_choice 'any' needs at least one tool.", "tool_choice")
+        if len(tools) == 1:  # one callable tool: executable; several: advisory, stays automatic
+            target = tools[0]["function"]["name"]
+    if target is not None:
+        if thinking and explicit:
+            raise bad_request("thinking_not_supported_with_forced_tool", "Forcing a tool call (tool_choice "
+                              f"'{kind}') needs thinking disabled for the request: send thinking: "
+                              "{\"type\": \"disabled\"}.", "tool_choice")
+        thinking = False  # the server's default thinking gives way to the forced call
+        forced = f"<tool_call>\n<function={target}>\n"
+    return (tools or None), forced, parallel, thinking
+
+
