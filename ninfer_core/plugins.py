@@ -31,6 +31,10 @@ DEFAULT_PLUGINS: list[tuple[str, str]] = [
     ("kv_bf16", "ninfer_core.engine.kv_bf16"),
     ("ops", "ninfer_core.protocols.ops"),
     ("openai_chat", "ninfer_core.protocols.openai_chat"),
+    ("llamacpp", "ninfer_core.protocols.llamacpp"),
+    ("openai_completions", "ninfer_core.protocols.openai_completions"),
+    ("tokenize", "ninfer_core.protocols.tokenize_routes"),
+    ("rerank", "ninfer_core.protocols.rerank"),
     ("anthropic", "ninfer_core.protocols.anthropic"),
     ("responses", "ninfer_core.protocols.responses"),
 ]

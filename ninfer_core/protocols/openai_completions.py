@@ -1,0 +1,215 @@
+"""Built-in protocol plugin: OpenAI's legacy Completions, POST /v1/completions.
+
+A raw prompt continues without a chat template (raw_prompt.py holds the checks shared with
+llama.cpp's /completion). The response is a text_completion object with usage and llama.cpp's
+timings; echo puts the prompt text before the completion (and opens a stream with it). n, best_of
+and logprobs are served only at 1, 1 and 0; a non-empty suffix (fill-in-the-middle) is refused.
+A stream ends with the finish chunk, the usage chunk when stream_options.include_usage asks, and
+[DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from ninfer_core import hookimpl
+from ninfer_core.engine.api import EngineError, EngineEvent
+from ninfer_core.protocols.raw_prompt import (
+    LARGE_BODY,
+    RawCompletionFields,
+    RawPlan,
+    RawSubmission,
+    WireModel,
+    cancelled_error,
+    check_fields,
+    submit_raw,
+    unfinished_error,
+)
+from ninfer_core.server.context import ServerContext
+from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body
+from ninfer_core.server.sse import (
+    DONE,
+    KEEPALIVE,
+    ClientDisconnected,
+    EventStreamResponse,
+    sse_data,
+    unless_disconnected,
+    with_keepalive,
+)
+
+log = logging.getLogger("ninfer.server")
+
+
+class StreamOptions(WireModel):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class CompletionRequest(RawCompletionFields):
+    max_tokens: int | None = Field(None, ge=-1)  # -1: no limit
+    echo: bool | None = None
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionPlan:
+    def __init__(self, raw: RawPlan, req: CompletionRequest):
+        self.raw = raw
+        self.echo = bool(req.echo)
+        self.include_usage = bool(raw.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def _only_one(value: int | None, name: str, what: str) -> None:
+    if value is None or value == 1:
+        return
+    if value > 1:
+        raise bad_request(f"{name}_not_supported", f"Only {name}=1 is supported: {what}.", name)
+    raise bad_request("invalid_value", f"{name} must be 1.", name)
+
+
+def validate_body(raw: bytes, ctx: ServerContext) -> CompletionPlan:
+    data = parse_json_body(raw)
+    if not isinstance(data, dict):
+        raise bad_request("invalid_type", "The request body must be a JSON object.", None)
+    req = CompletionRequest.model_validate(data)
+    _only_one(req.n, "n", "one request produces one choice")
+    _only_one(req.best_of, "best_of", "one candidate is generated per request")
+    if req.logprobs is not None:
+        if req.logprobs < 0:
+            raise bad_request("invalid_value", "logprobs must be between 0 and 5.", "logprobs")
+        if req.logprobs > 0:
+            raise bad_request("logprobs_not_supported", "Token log probabilities are not served on "
+                              "/v1/completions; logprobs is accepted only at 0.", "logprobs")
+    if req.suffix:
+        raise bad_request("suffix_not_supported", "A suffix (fill-in-the-middle) is not supported: the "
+                          "prompt is continued at its end only.", "suffix")
+    plan = check_fields(req, ctx, req.max_tokens, negative_is_unlimited=False, limit_param="max_tokens")
+    return CompletionPlan(plan, req)
+
+
+def usage_dict(ev: EngineEvent) -> dict:
+    u = ev.usage
+    prompt = u.prompt_tokens if u else 0
+    completion = u.completion_tokens if u else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u else 0}}
+
+
+class Completions:
+    """The protocol object: POST /v1/completions."""
+
+    name = "openai_completions"
+
+    def mount(self, router: APIRouter, ctx: ServerContext) -> None:
+        async def completions(request: Request) -> Response:
+            return await self.handle(request, ctx)
+
+        router.add_api_route("/v1/completions", completions, methods=["POST"])
+
+    async def handle(self, request: Request, ctx: ServerContext) -> Response:
+        raw = await request.body()
+        if len(raw) > LARGE_BODY:  # parsing a large body is host work: keep it off the event loop
+            plan = await anyio.to_thread.run_sync(validate_body, raw, ctx)
+        else:
+            plan = validate_body(raw, ctx)
+        sub = await submit_raw(request, ctx, plan.raw)
+        cid = "cmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        if plan.raw.stream:
+            return EventStreamResponse(self._stream(ctx, plan, sub, cid, created),
+                                       on_disconnect=sub.handle.cancel, on_close=sub.release)
+        try:
+            obj = await unless_disconnected(request, self._aggregate(ctx, plan, sub, cid, created),
+                                            sub.handle.cancel)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            sub.release()
+        return JSONResponse(obj)
+
+    def _echo(self, ctx: ServerContext, plan: CompletionPlan, sub: RawSubmission) -> str:
+        return ctx.tokenizer.decode(sub.prompt_ids, skip_special=False) if plan.echo else ""
+
+    async def _aggregate(self, ctx: ServerContext, plan: CompletionPlan, sub: RawSubmission, cid: str,
+                         created: int) -> dict:
+        texts = [self._echo(ctx, plan, sub)]
+        async for ev in sub.handle.events():
+            if ev.kind == "delta":
+                texts.append(ev.text)
+            elif ev.kind == "error":
+                raise ev.error
+            elif ev.kind == "finish":
+                if ev.finish_reason == "cancelled":
+                    raise cancelled_error()
+                return {"id": cid, "object": "text_completion", "created": created, "model": ctx.model.id,
+                        "choices": [{"index": 0, "text": "".join(texts), "logprobs": None,
+                                     "finish_reason": ev.finish_reason}],
+                        "usage": usage_dict(ev), "timings": ev.timings or {}}
+        raise unfinished_error()
+
+    async def _stream(self, ctx: ServerContext, plan: CompletionPlan, sub: RawSubmission, cid: str,
+                      created: int) -> AsyncIterator[str]:
+        model_id = ctx.model.id
+
+        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+            obj = {"id": cid, "object": "text_completion", "created": created, "model": model_id,
+                   "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            if plan.include_usage:
+                obj["usage"] = None
+            obj.update(extra)
+            return sse_data(obj)
+
+        if plan.echo:
+            yield chunk(self._echo(ctx, plan, sub))
+        try:
+            async with aclosing(with_keepalive(sub.handle.events(), ctx.keepalive_s)) as events:
+                async for ev in events:
+                    if ev is None:
+                        yield KEEPALIVE
+                    elif ev.kind == "delta":
+                        if ev.text:
+                            yield chunk(ev.text)
+                    elif ev.kind == "error":
+                        yield sse_data(engine_error_body(ev.error))
+                        return
+                    elif ev.kind == "finish":
+                        if ev.finish_reason == "cancelled":
+                            yield sse_data(engine_error_body(cancelled_error()))
+                            return
+                        timings = ev.timings or {}
+                        if plan.include_usage:
+                            yield chunk("", ev.finish_reason)
+                            yield sse_data({"id": cid, "object": "text_completion", "created": created,
+                                            "model": model_id, "choices": [], "usage": usage_dict(ev),
+                                            "timings": timings})
+                        else:
+                            yield chunk("", ev.finish_reason, timings=timings)
+                        yield DONE
+                        return
+        except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
+            log.exception("completions stream failed")
+            yield sse_data(engine_error_body(EngineError(
+                500, "internal_error", f"Internal server error: {type(e).__name__}", type_="server_error")))
+            return
+        yield sse_data(engine_error_body(unfinished_error()))
+
+
+PROTOCOL = Completions()
+
+
+@hookimpl
+def ninfer_register_protocols(register):
+    register("openai_completions", "ninfer_core.protocols.openai_completions:PROTOCOL")

@@ -1,0 +1,451 @@
+"""Raw-prompt completion shared by llama.cpp's /completion and OpenAI's legacy /v1/completions.
+
+Spec "Raw-prompt completion and the tokenizer": no chat template, no reasoning block, no tool
+parsing. This module validates the fields both routes accept (the sampler, stop strings, the
+llama.cpp sampler controls NInfer does not have, the prompt in its string / token-id / mixed
+shapes) and turns a request into a RawPlan; the two protocol modules add their own fields and
+response shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ninfer_core.engine.api import EngineError, SamplingParams
+from ninfer_core.engine.sampler import random_seed
+from ninfer_core.server.context import ServerContext
+from ninfer_core.server.errors import bad_request
+from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 32
+LARGE_BODY = 256 * 1024  # bodies above this are parsed on a worker thread
+
+# llama.cpp sampler controls NInfer does not have: accepted at their neutral value, refused otherwise
+# with `<field>_not_supported`. Each entry: (field, is-neutral test, what neutral means).
+NEUTRAL_ONLY: tuple[tuple[str, Any, str], ...] = (
+    ("repeat_penalty", lambda v: v == 1, "1"),
+    ("typical_p", lambda v: v == 1, "1"),
+    ("tfs_z", lambda v: v == 1, "1"),
+    ("dynatemp_range", lambda v: v == 0, "0"),
+    ("mirostat", lambda v: v == 0, "0"),
+    ("xtc_probability", lambda v: v == 0, "0"),
+    ("dry_multiplier", lambda v: v == 0, "0"),
+    ("top_n_sigma", lambda v: v <= 0, "0 or below"),
+    ("n_probs", lambda v: v == 0, "0"),
+    ("n_indent", lambda v: v == 0, "0"),
+    ("t_max_predict_ms", lambda v: v <= 0, "0 or below"),
+)
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class RawCompletionFields(WireModel):
+    """The fields /completion and /v1/completions share. Unknown fields are ignored, among them
+    the parameters of the controls below (repeat_last_n, mirostat_tau, dry_base, ...)."""
+
+    prompt: Any = None
+    model: Any = None
+    max_tokens: int | None = None
+    temperature: float | None = None  # below zero samples greedily
+    top_k: int | None = None  # zero or below: the widest candidate set (20)
+    top_p: float | None = Field(None, ge=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # negative: a random one
+    stop: Any = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    timings_per_token: bool | None = None
+    response_format: Any = None
+    cache_prompt: bool | None = None  # no context cache to keep the request out of yet: no effect
+    # llama.cpp controls, neutral values only
+    repeat_penalty: float | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    dynatemp_range: float | None = None
+    mirostat: int | None = None
+    xtc_probability: float | None = None
+    dry_multiplier: float | None = None
+    top_n_sigma: float | None = None
+    n_probs: int | None = None
+    n_indent: int | None = None
+    t_max_predict_ms: int | None = None
+    grammar: Any = None
+    lora: Any = None
+    logit_bias: Any = None
+    # accepted without effect
+    samplers: Any = None
+    n_keep: int | None = None
+    min_keep: int | None = None
+    id_slot: int | None = None
+
+
+@dataclass
+class RawPlan:
+    """A validated raw-prompt request, ready to tokenize and submit."""
+
+    prompt: Any  # the wire prompt, one prompt (string, ids, or mixed); tokenized by `prompt_ids`
+    max_tokens: int | None  # None: the default output limit
+    derived_limit: bool  # "no limit" (negative): the derived budget even under --default-max-tokens
+    stop: list[str]
+    stream: bool
+    ignore_eos: bool
+    timings_per_token: bool
+    cache_prompt: bool
+    limit_param: str = "max_tokens"  # the field the output limit came from (n_predict or max_tokens)
+    sampling_request: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+
+
+def check_model(model: Any, ctx: ServerContext) -> None:
+    if model is None or model == "":
+        return
+    if not isinstance(model, str):
+        raise bad_request("invalid_type", "model must be a string.", "model")
+    if model != ctx.model.id:
+        raise EngineError(404, "model_not_found", f"The model '{model}' does not exist; this server "
+                          f"serves '{ctx.model.id}'.", param="model")
+
+
+def check_neutral_controls(req: RawCompletionFields) -> None:
+    """Refuse the llama.cpp sampler controls NInfer cannot apply, unless at their neutral value."""
+    for name, neutral, meaning in NEUTRAL_ONLY:
+        value = getattr(req, name)
+        if value is not None and not neutral(value):
+            raise bad_request(f"{name}_not_supported", f"{name} is accepted only at its neutral value "
+                              f"({meaning}): NInfer's sampler has no such control.", name)
+    if req.grammar is not None:
+        if not isinstance(req.grammar, str):
+            raise bad_request("invalid_type", "grammar must be a string.", "grammar")
+        if req.grammar.strip():
+            raise bad_request("grammar_not_supported", "GBNF grammars are not supported; request "
+                              "structured JSON through response_format.", "grammar")
+    if req.lora is not None:
+        if not isinstance(req.lora, list):
+            raise bad_request("invalid_type", "lora must be a list.", "lora")
+        if req.lora:
+            raise bad_request("lora_not_supported", "LoRA adapters are not supported.", "lora")
+    check_logit_bias(req.logit_bias)
+
+
+def check_logit_bias(bias: Any) -> None:
+    """All-zero logit_bias is neutral; any other bias (or llama.cpp's `false` ban) is refused.
+
+    llama.cpp accepts an object {token: bias} and a list of [token, bias] pairs.
+    """
+    if bias is None:
+        return
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, list):
+        items = []
+        for i, pair in enumerate(bias):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise bad_request("invalid_type", "logit_bias pairs must be [token, bias].", f"logit_bias.{i}")
+            items.append((str(i), pair[1]))
+    else:
+        raise bad_request("invalid_type", "logit_bias must be an object or a list of [token, bias] pairs.",
+                          "logit_bias")
+    for key, value in items:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if value is False:
+                raise bad_request("logit_bias_not_supported", "Banning tokens through logit_bias is not "
+                                  "supported: the sampler cannot apply per-token biases.", "logit_bias")
+            raise bad_request("invalid_type", "logit_bias values must be numbers.", f"logit_bias.{key}")
+        if value != 0:
+            raise bad_request("logit_bias_not_supported", "A nonzero logit_bias is not supported: the "
+                              "sampler cannot apply per-token biases.", "logit_bias")
+
+
+def check_response_format(rf: Any) -> None:
+    if rf is None:
+        return
+    if not isinstance(rf, dict):
+        raise bad_request("invalid_type", "response_format must be an object.", "response_format")
+    kind = rf.get("type")
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise bad_request("response_format_not_supported", f"response_format '{kind}' needs a server "
+                          "started with --structured-output, which this build does not offer yet.",
+                          "response_format")
+    raise bad_request("invalid_value", "response_format.type must be text, json_object or json_schema.",
+                      "response_format.type")
+
+
+def stop_list(stop: Any) -> list[str]:
+    """A string or up to 32 non-empty strings."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list):
+        raise bad_request("invalid_type", "stop must be a string or a list of strings.", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request("invalid_value", f"stop accepts at most {MAX_STOP_STRINGS} strings.", "stop")
+    for i, s in enumerate(items):
+        param = "stop" if isinstance(stop, str) else f"stop.{i}"
+        if not isinstance(s, str):
+            raise bad_request("invalid_type", "stop strings must be strings.", param)
+        if s == "":
+            raise bad_request("invalid_value", "stop strings must be non-empty.", param)
+    return list(items)
+
+
+def single_prompt(prompt: Any, param: str = "prompt") -> Any:
+    """The one prompt of the wire value: a string, a list of token ids, or ids and strings mixed.
+
+    llama.cpp's array of several prompts is refused; a one-element array is that prompt.
+    """
+    if prompt is None:
+        raise bad_request("missing_required_parameter", f"Missing required parameter: '{param}'.", param)
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise bad_request("invalid_type", f"{param} must be a string, a list of token ids, or token ids "
+                          "and strings mixed.", param)
+    if not prompt:
+        raise bad_request("invalid_value", f"{param} is empty.", param)
+    if _is_one_prompt(prompt):
+        return prompt
+    # a list of prompts (strings, id lists or mixed lists): only one is served per request
+    if len(prompt) == 1:
+        inner = prompt[0]
+        if isinstance(inner, str) or (isinstance(inner, list) and inner and _is_one_prompt(inner)):
+            return inner
+        if isinstance(inner, list) and not inner:
+            raise bad_request("invalid_value", f"{param} is empty.", f"{param}.0")
+        raise bad_request("invalid_type", "a prompt must be a string, a list of token ids, or token ids "
+                          "and strings mixed.", f"{param}.0")
+    for i, p in enumerate(prompt):
+        if not isinstance(p, (str, list)):
+            raise bad_request("invalid_type", "a prompt element must be a token id or a string.", f"{param}.{i}")
+    raise bad_request("multiple_prompts_not_supported", f"{param} holds {len(prompt)} prompts; one request "
+                      "produces one completion, so send one prompt per request.", param)
+
+
+def _is_token(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_one_prompt(items: list) -> bool:
+    """Token ids alone, or token ids and strings mixed (at least one id): one prompt."""
+    return all(_is_token(x) or isinstance(x, str) for x in items) and any(_is_token(x) for x in items)
+
+
+def vocab_limit(ctx: ServerContext) -> int:
+    """Token ids a prompt may name: the tokenizer's domain, within the model's vocabulary."""
+    n = int(getattr(ctx.tokenizer, "vocab_size", 0) or 0)
+    model_n = int(getattr(ctx.model, "n_vocab", 0) or 0) if ctx.model else 0
+    return min(n, model_n) if n and model_n else (n or model_n)
+
+
+def tokenize_prompt(ctx: ServerContext, prompt: Any, param: str = "prompt",
+                    parse_special: bool = True) -> list[int]:
+    """Token ids of one prompt (see `single_prompt`); special-token text in a string encodes as that
+    token unless `parse_special` is false. Host work: call on a worker thread for long prompts."""
+    tok = ctx.tokenizer
+    parts = [prompt] if isinstance(prompt, str) else prompt
+    limit = vocab_limit(ctx)
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            ids.extend(tok.encode(part, allow_special=parse_special))
+        else:
+            p = param if isinstance(prompt, str) else f"{param}.{i}"
+            if not 0 <= part < limit:
+                raise bad_request("invalid_value", f"token id {part} is outside the vocabulary (0..{limit - 1}).", p)
+            ids.append(part)
+    return ids
+
+
+def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None,
+                 negative_is_unlimited: bool, limit_param: str) -> RawPlan:
+    """The checks both routes share; `limit` is the route's output-limit field value."""
+    check_model(req.model, ctx)
+    check_neutral_controls(req)
+    check_response_format(req.response_format)
+    if limit is not None and limit < 0 and not negative_is_unlimited and limit != -1:
+        raise bad_request("invalid_value", f"{limit_param} must be -1 (no limit) or a non-negative integer.",
+                          limit_param)
+    sampling_request = {
+        "temperature": None if req.temperature is None else max(0.0, req.temperature),
+        "top_k": None if req.top_k is None else (TOP_K_CAP if req.top_k <= 0 else req.top_k),
+        "top_p": req.top_p, "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+    }
+    return RawPlan(
+        prompt=single_prompt(req.prompt),
+        max_tokens=None if limit is None or limit < 0 else limit,
+        derived_limit=limit is not None and limit < 0,
+        stop=stop_list(req.stop),
+        stream=bool(req.stream),
+        ignore_eos=bool(req.ignore_eos),
+        timings_per_token=bool(req.timings_per_token),
+        cache_prompt=req.cache_prompt is not False,
+        limit_param=limit_param,
+        sampling_request=sampling_request,
+        seed=None if req.seed is None or req.seed < 0 else req.seed,
+    )
+
+
+def raw_sampling(ctx: ServerContext, plan: RawPlan) -> SamplingParams:
+    """The default-thinking-mode preset (what /props reports), the process flags, then the request.
+
+    A request without a seed gets the process --seed or a fresh one drawn here, so the response's
+    generation_settings can report the seed it ran with.
+    """
+    sampling = resolve_sampling(ctx, not ctx.options.no_thinking, plan.sampling_request, plan.seed)
+    if sampling.seed is None:
+        sampling.seed = random_seed()
+    return sampling
+
+
+def output_limit(ctx: ServerContext, plan: RawPlan, prompt_tokens: int) -> int | None:
+    if plan.derived_limit:
+        return derived_output_limit(ctx, prompt_tokens)
+    return plan.max_tokens
+
+
+def settings_dict(ctx: ServerContext, plan: RawPlan, sampling: SamplingParams, n_predict: int) -> dict:
+    """llama.cpp's generation_settings: the settings this request resolved to."""
+    return {
+        "n_predict": n_predict, "max_tokens": n_predict, "seed": sampling.seed,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_k": sampling.top_k if sampling.top_k > 0 else TOP_K_CAP, "top_p": sampling.top_p,
+        "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty, "repeat_penalty": 1.0, "typical_p": 1.0,
+        "mirostat": 0, "n_probs": 0, "stop": list(plan.stop), "ignore_eos": plan.ignore_eos,
+        "stream": plan.stream, "cache_prompt": plan.cache_prompt, "timings_per_token": plan.timings_per_token,
+        "samplers": ["penalties", "top_k", "temperature", "top_p", "min_p"],
+        "model": ctx.model.id,
+    }
+
+
+@dataclass
+class RawSubmission:
+    """A submitted raw request: its handle, prompt and what it resolved to."""
+
+    handle: Any
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    n_predict: int  # the effective output limit the engine runs with
+    release: Any  # idempotent: gives the ingress unit back
+
+
+async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan) -> RawSubmission:
+    """Hold an ingress unit, tokenize on a worker thread, submit; the caller must `release()`."""
+    import time
+
+    import anyio
+
+    from ninfer_core.engine.api import GenerationRequest
+
+    deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
+    ctx.ingress.acquire()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            ctx.ingress.release()
+
+    try:
+        ids = await anyio.to_thread.run_sync(tokenize_prompt, ctx, plan.prompt)
+        if not ids:
+            raise bad_request("invalid_value", "The prompt encodes to no tokens.", "prompt")
+        sampling = raw_sampling(ctx, plan)
+        max_tokens = output_limit(ctx, plan, len(ids))
+        gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
+                                ignore_eos=plan.ignore_eos,
+                                request_id=request.scope.get("state", {}).get("request_id", ""),
+                                deadline=deadline)
+        handle = ctx.engine.submit(gen)
+    except EngineError as e:
+        release()
+        # the engine names chat fields; a raw request's are the prompt and its own limit field
+        if e.param == "messages":
+            e.param = "prompt"
+        elif e.param == "max_tokens":
+            e.param = plan.limit_param
+        raise
+    except BaseException:
+        release()
+        raise
+    n_predict = getattr(handle, "max_tokens", None)
+    if n_predict is None:
+        n_predict = max_tokens if max_tokens is not None else ctx.engine.default_output_limit(len(ids))
+    return RawSubmission(handle, ids, sampling, int(n_predict), release)
+
+
+class LiveTimings:
+    """Cumulative llama.cpp timings observed on the HTTP side, for timings_per_token chunks.
+
+    The engine publishes exact timings only on the finish event; between events this snapshot is
+    measured from their arrival: prompt time from admission to the first output delta, generation
+    time from there to the latest delta.
+    """
+
+    def __init__(self, prompt_tokens: int):
+        import time
+
+        self._now = time.monotonic
+        self.prompt_n = prompt_tokens
+        self.cache_n = 0
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.predicted_n = 0
+
+    def admitted(self, cached: int = 0) -> None:
+        self.t_admit = self._now()
+        self.cache_n = cached
+
+    def tokens(self, n: int) -> None:
+        now = self._now()
+        if self.t_admit is None:
+            self.t_admit = now
+        if self.t_first is None and n:
+            self.t_first = now
+        self.t_last = now
+        self.predicted_n += n
+
+    def prompt_ms(self) -> float:
+        if self.t_admit is None:
+            return 0.0
+        return ((self.t_first or self._now()) - self.t_admit) * 1000.0
+
+    def snapshot(self) -> dict:
+        prompt_n = max(self.prompt_n - self.cache_n, 0)
+        prompt_ms = self.prompt_ms()
+        predicted_ms = ((self.t_last - self.t_first) * 1000.0) if self.t_first is not None else 0.0
+        intervals = max(self.predicted_n - 1, 0)
+
+        def rate(n: int, ms: float) -> float:
+            return n * 1000.0 / ms if n and ms > 0 else 0.0
+
+        def per_token(ms: float, n: int) -> float:
+            return ms / n if n and ms > 0 else 0.0
+
+        return {"cache_n": self.cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
+                "prompt_per_second": rate(prompt_n, prompt_ms),
+                "predicted_n": self.predicted_n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": per_token(predicted_ms, intervals),
+                "predicted_per_second": rate(intervals, predicted_ms)}
+
+
+def cancelled_error() -> EngineError:
+    return EngineError(503, "request_cancelled", "The request was cancelled before it completed.")
+
+
+def unfinished_error() -> EngineError:
+    return EngineError(500, "internal_error", "The engine ended the request without finishing it.",
+                       type_="server_error")
