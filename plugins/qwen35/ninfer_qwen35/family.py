@@ -80,6 +80,10 @@ class Qwen35Family(ModelFamily):
         tok = getattr(artifact, "tokenizer_section", None)
         if isinstance(tok, dict):
             eos = _eos_ids(tok)
+        if dev.type == "cuda":  # the fast path: fused projections, Triton/fla kernels, CUDA Graphs
+            from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+
+            return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
         return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
 
 

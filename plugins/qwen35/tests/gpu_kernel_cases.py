@@ -84,3 +84,42 @@ def gdn_decode(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, tol=1e-4):
     assert e_out < tol and e_state < tol
     untouched = [i for i in range(slots_n) if i not in slots.tolist()]
     assert torch.equal(state[untouched], ref_state[untouched])
+
+
+def runner_interpret():
+    """The GPU runner with its Triton kernels (interpreted, fp32) against the reference runner."""
+    import tempfile
+
+    from ninfer_qwen35.family import Qwen35Family
+    from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+    from ninfer_qwen35.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import SeqView
+
+    with tempfile.TemporaryDirectory() as d:
+        art = Artifact.open(build_tiny_artifact(f"{d}/t.ninfer", kind="dense", seed=5, num_layers=4))
+        ref = Qwen35Family().load(art)
+        fast = GpuQwen35Runner.from_runner(Qwen35Family().load(art))
+        outs = []
+        for r in (ref, fast):
+            r.allocate_cache(16, 3)
+            a = SeqView(slot=0, pages=[5, 2, 9], num_cached=0)
+            b = SeqView(slot=2, pages=[7, 1], num_cached=0)
+            g = torch.Generator().manual_seed(7)
+            ta = torch.randint(0, 500, (140,), generator=g).tolist()
+            tb = torch.randint(0, 500, (64,), generator=g).tolist()
+            rows = [r.prefill(a, ta[:80], all_logits=True)]
+            a.num_cached = 80
+            rows.append(r.prefill(a, ta[80:130], all_logits=True))
+            a.num_cached = 130
+            rows.append(r.prefill(b, tb[:60], all_logits=True))
+            b.num_cached = 60
+            for i in range(3):
+                rows.append(r.decode([a, b], [ta[130 + i], tb[60 + i]]))
+                a.num_cached += 1
+                b.num_cached += 1
+            outs.append(torch.cat(rows))
+        err = rel(outs[1], outs[0])
+        print(f"runner with interpreted kernels vs reference: {err:.2e}")
+        assert err < 1e-4, err

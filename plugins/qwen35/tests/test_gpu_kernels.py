@@ -34,3 +34,7 @@ def test_paged_prefill_attention_matches_reference():
 
 def test_gdn_decode_inplace_matches_reference():
     _run("gdn_decode")
+
+
+def test_gpu_runner_with_interpreted_kernels_matches_reference():
+    _run("runner_interpret")

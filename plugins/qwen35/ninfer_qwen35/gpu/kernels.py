@@ -235,6 +235,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pa
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
     w = block_table.shape[1]
+    assert seq_lens.is_contiguous() and block_table.stride(1) == 1 and q.is_contiguous()
     pps = pages_per_split or decode_split_pages(w)
     splits = -(-w // pps)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
@@ -259,6 +260,7 @@ def paged_prefill_attention(q, k_cache, v_cache, pages, start: int, scale, block
         return ref_paged_prefill_attention(q, k_cache, v_cache, pages, start, scale)
     t, h, d = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
+    assert pages.is_contiguous() and q.stride(2) == 1
     out = torch.empty_like(q)
     _paged_prefill_kernel[(triton.cdiv(t, block_m), h)](
         q, k_cache, v_cache, pages, out, start, t, scale,
@@ -278,7 +280,8 @@ def gdn_decode_inplace(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk
     hv = a_raw.shape[1]
     out = torch.empty(bsz, hv, dv, dtype=mixed.dtype, device=mixed.device)
     bv = min(32, dv)
-    assert mixed.stride(1) == 1 and state.is_contiguous()
+    assert mixed.stride(1) == 1 and state.is_contiguous() and slots.is_contiguous()
+    assert a_raw.stride(1) == 1 and b_raw.stride(1) == 1
     _gdn_decode_kernel[(bsz, hv, triton.cdiv(dv, bv))](
         mixed, a_raw, b_raw, A_log, dt_bias, state, slots, out, scale, eps,
         mixed.stride(0), a_raw.stride(0), b_raw.stride(0),

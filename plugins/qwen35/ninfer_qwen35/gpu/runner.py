@@ -1,0 +1,300 @@
+"""GpuQwen35Runner: the Qwen3.5 runner's fast path (bf16, fused projections, Triton paged
+attention, fla GDN prefill, in-place GDN decode, CUDA-Graph decode for 1..8 lanes).
+
+The reference modules keep their parameters: fusion concatenates a layer's projection weights
+into one tensor and re-points each module's weight at its rows (a view, no second copy), so the
+reference forward, the MTP head and a transformers model sharing the tensors all stay valid.
+
+Decode graphs: one per batch width, captured on first use. Their inputs live in one packed int64
+buffer (token, position, slot, length, write page, write row, then the block-table row) that a
+round fills with a single host-to-device copy; the graph ends with the fp32 logits, and the
+engine's sampler reads back only the sampled tokens. Warm-up before capture runs on a scratch
+state slot and a scratch page the engine never hands out, so capturing touches no lane's cache.
+The path is the same math as the reference and works on the CPU too (torch fallbacks), which is
+how CI tests it; on CUDA the kernels and graphs take over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer_core.engine.model_api import PAGE_SIZE, SeqView
+from ninfer_qwen35.gdn import causal_conv_prefill
+from ninfer_qwen35.gpu import kernels as K
+from ninfer_qwen35.gpu.fla_glue import gdn_prefill
+from ninfer_qwen35.layers import apply_rotary
+from ninfer_qwen35.runner import Qwen35Runner
+
+log = logging.getLogger("ninfer.qwen35.gpu")
+
+MAX_GRAPH_BATCH = 8
+_META = 6  # token, position, slot, seq_len, write page, write row
+
+
+def _fuse(mods: list[nn.Module]) -> torch.Tensor:
+    """Concatenate the weights of Linear-like modules along the output rows; each module's
+    weight becomes a view into the fused tensor."""
+    fused = torch.cat([m.weight for m in mods], dim=0)
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[off : off + n], requires_grad=False)
+        off += n
+    return fused
+
+
+def fuse_model(model) -> list[SimpleNamespace]:
+    """Per layer: GDN w_in = [qkv | z | b | a]; attention w_qkv = [q+gate | k | v] (+ bias);
+    dense MLP w_gu = [gate | up]."""
+    out = []
+    for layer in model.layers:
+        f = SimpleNamespace(w_in=None, w_qkv=None, b_qkv=None, w_gu=None)
+        if layer.layer_type == "linear_attention":
+            g = layer.linear_attn
+            f.w_in = _fuse([g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a])
+        else:
+            a = layer.self_attn
+            mods = [a.q_proj, a.k_proj, a.v_proj]
+            f.w_qkv = _fuse(mods)
+            if a.q_proj.bias is not None:
+                f.b_qkv = torch.cat([m.bias for m in mods])
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_proj"):
+            f.w_gu = _fuse([mlp.gate_proj, mlp.up_proj])
+        out.append(f)
+    return out
+
+
+class GpuQwen35Runner(Qwen35Runner):
+    def __init__(self, *args, cuda_graph: bool = True, **kw):
+        super().__init__(*args, **kw)
+        self.fused = fuse_model(self.model)
+        self.cuda_graph = cuda_graph
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.info.extra["gpu_path"] = True
+
+    @classmethod
+    def from_runner(cls, r: Qwen35Runner, cuda_graph: bool = True) -> "GpuQwen35Runner":
+        """The fast path over an already loaded reference runner's model (weights are fused in place)."""
+        return cls(r.model, r.cfg, r.device, r.dtype, mtp=r.mtp, eos_token_ids=r.info.eos_token_ids,
+                   cuda_graph=cuda_graph)
+
+    # ---- options --------------------------------------------------------------------------------
+    def configure(self, cuda_graph: bool | None = None) -> None:
+        if cuda_graph is not None:
+            self.cuda_graph = bool(cuda_graph)
+            self._graphs.clear()
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self.cuda_graph and self.device.type == "cuda" and not self.cfg.is_moe
+
+    # ---- cache: one scratch page and one scratch slot past the engine's pool ------------------
+    def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
+        super().allocate_cache(num_pages + 1, num_slots + 1, page_size)
+        self.num_pages, self.num_slots = num_pages, num_slots
+        self.scratch_page, self.scratch_slot = num_pages, num_slots
+        self.table_width = num_pages
+        self._graphs.clear()
+        self._meta_host = torch.zeros(MAX_GRAPH_BATCH, _META + self.table_width, dtype=torch.int64)
+        if self.device.type == "cuda":
+            self._meta_host = self._meta_host.pin_memory()
+        self._meta = torch.zeros_like(self._meta_host, device=self.device)
+
+    def reset_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        for t in (*self.cache.conv.values(), *self.cache.ssm.values()):
+            t[slot].zero_()
+
+    # ---- decode -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, seqs: Sequence[SeqView], tokens: Sequence[int]):
+        if len(seqs) != len(tokens) or not seqs:
+            raise ValueError(
+                f"decode needs one token per sequence (got {len(seqs)} sequences, {len(tokens)} tokens)"
+            )
+        segs = [self._segment(s, 1, offset=i) for i, s in enumerate(seqs)]
+        if len({s.slot for s in segs}) != len(segs):
+            raise ValueError("decode batch holds the same state slot twice")
+        self._check_tokens(tokens)
+        b = len(segs)
+        if b <= MAX_GRAPH_BATCH and self.graphs_enabled:
+            self._fill_meta(segs, tokens, self.table_width)
+            graph, logits = self._graph(b)
+            graph.replay()
+            return logits[:b].clone()
+        width = max(-(-(s.start + 1) // self.cache.page_size) for s in segs)
+        meta = self._build_meta(segs, tokens, width).to(self.device)
+        return self.model.logits(self._decode_body(b, meta, width))
+
+    def _check_tokens(self, tokens) -> None:
+        for t in tokens:
+            if not 0 <= t < self.cfg.vocab_size:
+                raise ValueError(f"token id {t} outside the vocabulary (size {self.cfg.vocab_size})")
+
+    def _build_meta(self, segs, tokens, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        ps = self.cache.page_size
+        rows = []
+        for seg, tok in zip(segs, tokens):
+            pos = seg.start
+            need = pos // ps + 1
+            table = list(seg.pages[:need]) + [self.scratch_page] * (width - need)
+            rows.append([tok, pos, seg.slot, pos + 1, seg.pages[pos // ps], pos % ps, *table])
+        meta = torch.tensor(rows, dtype=torch.int64)
+        if out is not None:
+            out[: len(rows)].copy_(meta)
+            return out
+        return meta
+
+    def _fill_meta(self, segs, tokens, width: int) -> None:
+        self._build_meta(segs, tokens, width, out=self._meta_host)
+        self._meta.copy_(self._meta_host)
+
+    def _graph(self, b: int):
+        hit = self._graphs.get(b)
+        if hit is not None:
+            return hit
+        # warm-up on scratch: every lane points at the scratch slot and page
+        torch.cuda.synchronize(self.device)
+        meta = self._meta
+        saved = self._meta_host[:b].clone()
+        self._meta_host[:b] = 0
+        self._meta_host[:b, 2] = self.scratch_slot
+        self._meta_host[:b, 3] = 1
+        self._meta_host[:b, 4] = self.scratch_page
+        self._meta_host[:b, _META:] = self.scratch_page
+        meta.copy_(self._meta_host)
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model.logits(self._decode_body(b, meta, self.table_width))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.logits(self._decode_body(b, meta, self.table_width))
+        self._meta_host[:b] = saved
+        meta.copy_(self._meta_host)
+        torch.cuda.synchronize(self.device)
+        self._graphs[b] = (graph, logits)
+        log.info("captured decode graph for batch width %d", b)
+        return graph, logits
+
+    def _decode_body(self, b: int, meta: torch.Tensor, width: int) -> torch.Tensor:
+        """One decode step for b lanes described by meta[:b] -> final-normed hidden [b, H]."""
+        m = meta[:b]
+        ids, pos, slots, lens, wpage, wrow = (m[:, i].contiguous() for i in range(_META))
+        table = m[:, _META : _META + width]
+        model, cache = self.model, self.cache
+        x = model.embed_tokens(ids)
+        cos, sin = model.rotary.cos_sin(pos, x.dtype)
+        for i, layer in enumerate(model.layers):
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "linear_attention":
+                x = x + self._gdn_decode(i, layer.linear_attn, h, slots)
+            else:
+                x = x + self._attn_decode(i, layer.self_attn, h, cos, sin, table, lens, wpage, wrow)
+            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    def _gdn_decode(self, i, mod, h, slots):
+        b = h.shape[0]
+        proj = F.linear(h, self.fused[i].w_in)
+        cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
+        mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
+        b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
+        conv_all = self.cache.conv[i]
+        full = torch.cat([conv_all[slots], mixed[..., None]], dim=-1)  # [B, conv_dim, K]
+        conv_out = F.silu((full * mod.conv1d.weight[:, 0, :][None]).sum(-1))
+        conv_all[slots] = full[..., 1:]
+        core = K.gdn_decode_inplace(
+            conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
+            mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
+        )
+        out = mod.norm(core, z.reshape(core.shape))
+        return F.linear(out.reshape(b, vd), mod.out_proj.weight)
+
+    def _attn_project(self, i, mod, h, cos, sin):
+        n = h.shape[0]
+        proj = F.linear(h, self.fused[i].w_qkv, self.fused[i].b_qkv)
+        hd, nh, kvh = mod.head_dim, mod.heads, mod.kv_heads
+        qg = proj[:, : nh * 2 * hd].view(n, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        k = proj[:, nh * 2 * hd : nh * 2 * hd + kvh * hd].view(n, kvh, hd)
+        v = proj[:, nh * 2 * hd + kvh * hd :].view(n, kvh, hd)
+        q = apply_rotary(mod.q_norm(q), cos, sin)
+        k = apply_rotary(mod.k_norm(k), cos, sin)
+        return q.contiguous(), gate.reshape(n, nh * hd), k, v
+
+    def _attn_decode(self, i, mod, h, cos, sin, table, lens, wpage, wrow):
+        q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
+        kc, vc = self.cache.kv[i]
+        kc[wpage, wrow] = k.to(kc.dtype)
+        vc[wpage, wrow] = v.to(vc.dtype)
+        o = K.paged_decode_attention(q, kc, vc, table, lens, mod.scale)
+        return mod.finish(o, gate)
+
+    def _mlp(self, i, mlp, h):
+        w = self.fused[i].w_gu
+        if w is None:  # MoE block: its own forward
+            return mlp(h)
+        gate, up = F.linear(h, w).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+    # ---- prefill (and any multi-token forward) ---------------------------------------------
+    def _forward(self, segs, tokens: list[int]) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must be called before a forward")
+        self._check_tokens(tokens)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        if all(s.length == 1 for s in segs):
+            width = max(-(-(s.start + 1) // self.cache.page_size) for s in segs)
+            meta = self._build_meta(segs, tokens, width).to(self.device)
+            return self._decode_body(len(segs), meta, width)
+        outs = [self._prefill_body(seg, ids[seg.offset : seg.offset + seg.length]) for seg in segs]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _prefill_body(self, seg, ids: torch.Tensor) -> torch.Tensor:
+        model, cache, ps = self.model, self.cache, self.cache.page_size
+        t = ids.shape[0]
+        pos = torch.arange(seg.start, seg.start + t, device=self.device)
+        need = -(-(seg.start + t) // ps)
+        pages = torch.tensor(seg.pages[:need], dtype=torch.int32, device=self.device)
+        wpage, wrow = pages[pos // ps].long(), pos % ps
+        x = model.embed_tokens(ids)
+        cos, sin = model.rotary.cos_sin(pos, x.dtype)
+        for i, layer in enumerate(model.layers):
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "linear_attention":
+                x = x + self._gdn_prefill(i, layer.linear_attn, h, seg.slot)
+            else:
+                q, gate, k, v = self._attn_project(i, layer.self_attn, h, cos, sin)
+                kc, vc = cache.kv[i]
+                kc[wpage, wrow] = k.to(kc.dtype)
+                vc[wpage, wrow] = v.to(vc.dtype)
+                o = K.paged_prefill_attention(q, kc, vc, pages, seg.start, layer.self_attn.scale)
+                x = x + layer.self_attn.finish(o, gate)
+            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    def _gdn_prefill(self, i, mod, h, slot: int):
+        t = h.shape[0]
+        proj = F.linear(h, self.fused[i].w_in)
+        cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
+        mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
+        b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
+        conv_all = self.cache.conv[i]
+        conv_out, new_conv = causal_conv_prefill(mixed.t(), conv_all[slot], mod.conv1d.weight[:, 0, :])
+        conv_all[slot] = new_conv.to(conv_all.dtype)
+        core = gdn_prefill(mod, conv_out.t().contiguous(), a_raw, b_raw, self.cache.ssm[i], slot)
+        out = mod.norm(core, z.reshape(core.shape))
+        return F.linear(out.reshape(t, vd), mod.out_proj.weight)

@@ -1,0 +1,97 @@
+"""The GPU runner's fast path (fused projections, flat prefill/decode bodies, packed decode
+metadata, scratch page/slot) against the reference runner, on the CPU in fp32.
+
+On the CPU the kernels fall back to their torch references (tests/test_gpu_kernels.py checks the
+Triton kernels against those under the interpreter; tests/gpu/ runs everything on CUDA).
+"""
+
+import pytest
+import torch
+from ninfer_qwen35.family import Qwen35Family
+from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+from qwen35_hf_reference import rel_err
+
+from ninfer_core.engine.model_api import SeqView
+
+TOL = 1e-4
+
+
+def prompt(n, seed=0, vocab=500):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def both(art):
+    ref = Qwen35Family().load(art)
+    fast = GpuQwen35Runner.from_runner(Qwen35Family().load(art))
+    for r in (ref, fast):
+        r.allocate_cache(32, 4)
+    return ref, fast
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_fast_path_matches_reference_chunked_prefill_and_batched_decode(loaded, kind):
+    art, _ = loaded[kind]
+    ref, fast = both(art)
+    lens, steps = [5, 70, 131], 5
+    prompts = [prompt(n + steps, seed=20 + i) for i, n in enumerate(lens)]
+    pages = [[2, 25], [6, 1, 26], [9, 3, 14, 27]]
+    out = {}
+    for name, r in (("ref", ref), ("fast", fast)):
+        seqs, rows = [], []
+        for i, n in enumerate(lens):
+            s = SeqView(slot=i + 1, pages=pages[i], num_cached=0)
+            for c in range(0, n, 48):  # chunked prefill over cached prefixes
+                chunk = prompts[i][c : min(n, c + 48)]
+                rows.append(r.prefill(s, chunk, all_logits=True))
+                s.num_cached += len(chunk)
+            seqs.append(s)
+        for st in range(steps):
+            rows.append(r.decode(seqs, [prompts[i][lens[i] + st] for i in range(3)]))
+            for s in seqs:
+                s.num_cached += 1
+        out[name] = torch.cat(rows)
+    assert out["fast"].dtype == torch.float32 and out["fast"].shape == out["ref"].shape
+    err = rel_err(out["fast"], out["ref"])
+    print(f"GPU-path vs reference ({kind}): {err:.2e}")
+    assert err <= TOL
+
+
+def test_fusion_shares_storage_and_keeps_reference_modules(loaded):
+    art, _ = loaded["dense"]
+    r = GpuQwen35Runner.from_runner(Qwen35Family().load(art))
+    gdn = r.model.layers[0].linear_attn
+    w = r.fused[0].w_in
+    assert gdn.in_proj_qkv.weight.data_ptr() == w.data_ptr()
+    assert gdn.in_proj_a.weight.data_ptr() == w[-gdn.hv :].data_ptr()
+    attn_i = r.cfg.full_attention_layers[0]
+    attn = r.model.layers[attn_i].self_attn
+    assert attn.v_proj.weight.data_ptr() == r.fused[attn_i].w_qkv[-attn.v_proj.weight.shape[0] :].data_ptr()
+    mlp = r.model.layers[0].mlp
+    assert mlp.up_proj.weight.data_ptr() == r.fused[0].w_gu[mlp.gate_proj.weight.shape[0] :].data_ptr()
+
+
+def test_scratch_page_and_slot_are_outside_the_engine_pool(loaded):
+    art, _ = loaded["dense"]
+    r = GpuQwen35Runner.from_runner(Qwen35Family().load(art))
+    r.allocate_cache(8, 2)
+    assert (r.num_pages, r.num_slots) == (8, 2)
+    assert r.scratch_page == 8 and r.scratch_slot == 2
+    k, _ = next(iter(r.cache.kv.values()))
+    assert k.shape[0] == 9
+    with pytest.raises(ValueError, match="outside"):
+        r.decode([SeqView(slot=2, pages=[0], num_cached=0)], [1])
+    with pytest.raises(ValueError, match="outside"):
+        r.decode([SeqView(slot=0, pages=[8], num_cached=0)], [1])
+    with pytest.raises(ValueError, match="same state slot"):
+        r.decode([SeqView(slot=0, pages=[0], num_cached=0), SeqView(slot=0, pages=[1], num_cached=0)], [1, 2])
+    with pytest.raises(ValueError, match="vocabulary"):
+        r.decode([SeqView(slot=0, pages=[0], num_cached=0)], [10**6])
+
+
+def test_configure_turns_graphs_off_and_cpu_never_uses_them(loaded):
+    art, _ = loaded["dense"]
+    r = GpuQwen35Runner.from_runner(Qwen35Family().load(art))
+    assert not r.graphs_enabled  # CPU
+    r.configure(cuda_graph=False)
+    assert r.cuda_graph is False
