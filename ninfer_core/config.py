@@ -28,6 +28,7 @@ class EngineOptions:
     frequency_penalty: float | None = None
     seed: int | None = None
     greedy: bool = False
+    cuda_graph: bool = True  # decode rounds as CUDA Graphs where the model family supports them
 
     def resolved_kv_capacity(self) -> int:
         return self.kv_capacity if self.kv_capacity is not None else self.max_context
@@ -110,6 +111,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="run decode rounds eagerly instead of replaying captured CUDA Graphs")
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -121,7 +124,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         default_max_tokens=a.default_max_tokens, kv_dtype=a.kv_dtype, device=a.device,
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
-        seed=a.seed, greedy=a.greedy,
+        seed=a.seed, greedy=a.greedy, cuda_graph=not getattr(a, "no_cuda_graph", False),
     )
     return ServeOptions(
         artifact=a.artifact, host=a.host, port=a.port, api_key=a.api_key, model_id=a.model_id,

@@ -123,6 +123,8 @@ class _Loader:
             target = self.family_reg.load()
             family = target() if isinstance(target, type) else target
             runner = family.load(self.artifact, device=device)
+            if hasattr(runner, "configure"):  # runner options a family may support (--no-cuda-graph)
+                runner.configure(cuda_graph=opts.engine.cuda_graph)
             engine = Engine(runner, tokenizer, replace(opts.engine, device=device))
             engine.start()
             self.engine = engine
