@@ -49,12 +49,27 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() by which admission must happen (pending timeout)
+    # Context cache: ninfer_core.engine.checkpoints.CheckpointHints (turn closure, message
+    # boundaries, stable prefix, client cache markers); None lets the engine derive them.
+    checkpoint_hints: Any = None
     # A conversation identity (a Responses chain) so later turns can reuse the cached prefix; None: anonymous.
     session_id: str | None = None
     # Scoring (rerank): the log-softmax of these ids over the whole vocabulary at the first output
     # position, from the raw logits (no penalties, temperature or filters), reported on the finish
     # event as `scores`. Sampling is unaffected; pair it with max_tokens 0 to generate nothing.
     score_token_ids: list[int] | None = None
+    # Log probabilities (spec "Token log probabilities"): None gathers nothing; k >= 0 reports, for
+    # every sampled token, its logprob and the k (<= 20) most likely alternatives (delta `logprobs`).
+    logprobs: int | None = None
+    # Thinking (spec "thinking budgets", "Post-thinking sampling"): `in_reasoning` says the prompt
+    # left a <think> block open; `think_end_ids` are the close marker's ids. With `thinking_budget`
+    # the engine commits `budget_close_ids` (guidance + close) unsampled once that many reasoning
+    # tokens are generated (C/B/R rules); with `post_thinking` it switches the sampler after the close.
+    in_reasoning: bool = False
+    think_end_ids: list[int] = field(default_factory=list)
+    thinking_budget: int | None = None
+    budget_close_ids: list[int] = field(default_factory=list)
+    post_thinking: SamplingParams | None = None
 
 
 @dataclass
@@ -71,7 +86,8 @@ class EngineEvent:
     delta: `token_ids` committed and `text` (their decoded text, stop strings withheld).
     finish: `finish_reason` "stop" | "length" (| "cancelled"), `usage`, `timings`,
             `stop_reason` detail ("eos", "stop_string", "max_tokens", "context"),
-            `matched_stop` (the stop string that ended it), `scores` (for score_token_ids).
+            `matched_stop` (the stop string that ended it), `scores` (for score_token_ids),
+            `thinking` (budget and post-thinking facts). delta `logprobs`: see GenerationRequest.
     error: `error` is an EngineError.
     """
 
@@ -85,6 +101,20 @@ class EngineEvent:
     error: EngineError | None = None
     matched_stop: str | None = None
     scores: list[float] | None = None
+    # delta: one TokenLogprob per sampled token when the request asked (a stop string drops those it cuts)
+    logprobs: list["TokenLogprob"] | None = None
+    # finish: thinking facts for logs: budget_requested, budget_effective, early_close, post_thinking_sampling
+    thinking: dict | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log probability and the most likely alternatives at its position
+    (log-softmax over the whole vocabulary of the penalised logits / temperature; 1 when greedy)."""
+
+    token_id: int
+    logprob: float  # -9999.0 when the token is outside the position's 20 most likely
+    top: list[tuple[int, float]] = field(default_factory=list)  # descending
 
 
 class RequestHandle(Protocol):

@@ -69,6 +69,8 @@ class OutputText:
         # the codec holds an incomplete UTF-8 tail between tokens and replaces invalid bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = StopMatcher(stops)
+        self.decoded_chars = 0  # text decoded so far, before stop strings (offsets for logprob records)
+        self.published_chars = 0  # text returned by feed/finish
 
     @property
     def stopped(self) -> bool:
@@ -82,9 +84,15 @@ class OutputText:
         """Text this token makes publishable (possibly ""); check `stopped` afterwards."""
         if self._tok.is_special(token_id):
             return ""
-        return self._stop.feed(self._utf8.decode(self._tok.token_bytes(token_id)))
+        decoded = self._utf8.decode(self._tok.token_bytes(token_id))
+        self.decoded_chars += len(decoded)
+        text = self._stop.feed(decoded)
+        self.published_chars += len(text)
+        return text
 
     def finish(self) -> str:
         """Flush at the end of output: an incomplete UTF-8 tail becomes U+FFFD, held text is released."""
         text = self._stop.feed(self._utf8.decode(b"", final=True))
-        return text + self._stop.flush()
+        text += self._stop.flush()
+        self.published_chars += len(text)
+        return text

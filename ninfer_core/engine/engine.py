@@ -9,6 +9,7 @@ loop never waits on a forward.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -21,13 +22,15 @@ import torch
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
 from ninfer_core.engine.budget import BudgetPolicy
+from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.detok import OutputText
 from ninfer_core.engine.model_api import PAGE_SIZE, ModelRunner, SeqView
 from ninfer_core.engine.pages import PagePool, pages_for
 from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus
-from ninfer_core.engine.sampler import SamplerState, sample
+from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.slots import SlotPool
+from ninfer_core.engine.thinking import ThinkingControl
 
 log = logging.getLogger("ninfer.engine")
 
@@ -47,9 +50,14 @@ class Engine:
         self.page_size = PAGE_SIZE
         self.pool_pages = pages_for(options.resolved_kv_capacity(), self.page_size)
         self.cache_spec = runner.cache_spec()
-        runner.allocate_cache(self.pool_pages, options.max_concurrency, self.page_size)
-        self.scheduler = Scheduler(options.max_concurrency, PagePool(self.pool_pages, self.page_size),
-                                   SlotPool(options.max_concurrency))
+        pool = PagePool(self.pool_pages, self.page_size)
+        # Context cache (spec "Execution behavior"): None with --no-prefix-reuse or a runner that
+        # cannot capture state; its Device checkpoint slots are runner slots past the lanes.
+        self.cache = build_context_cache(runner, pool, options, self.cache_spec.state_bytes, self.page_size)
+        extra_slots = self.cache.device_slots_total if self.cache is not None else 0
+        runner.allocate_cache(self.pool_pages, options.max_concurrency + extra_slots, self.page_size)
+        self.scheduler = Scheduler(options.max_concurrency, pool, SlotPool(options.max_concurrency),
+                                   cache=self.cache)
         self.budget = BudgetPolicy(options.max_context, options.max_concurrency, self.pool_pages,
                                    self.page_size, options.default_max_tokens)
         self.capacity = options.max_concurrency + options.max_pending_requests
@@ -70,6 +78,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._order = itertools.count()
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self._controls: list = []  # (fn, concurrent.futures.Future) run by the worker at a boundary
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -105,6 +114,9 @@ class Engine:
                                       default_seed=self.options.seed)
         seq = Sequence(request, request_id, budget.max_tokens, budget.at_context, budget.entitlement_pages,
                        sampler, OutputText(self.tokenizer, request.stop))
+        if seq.hints is None and self.cache is not None:
+            seq.hints = derive_hints(self.tokenizer, seq.prompt_ids)
+        seq.thinking = ThinkingControl(request, budget.max_tokens)
         if seq.deadline is None:  # the server normally sets it from the request's arrival
             seq.deadline = seq.t_submit + self.options.pending_timeout_ms / 1000.0
         seq.handle = RequestHandle(request_id, loop, lambda: self._cancel(seq), seq.prompt_len,
@@ -151,7 +163,32 @@ class Engine:
                 "kv_bytes": self.kv_bytes,
                 "state_bytes": self.state_bytes,
                 "counters": dict(self.counters),
+                "context_cache": self.cache.snapshot() if self.cache is not None else None,
             }
+
+    def run_control(self, fn) -> "concurrent.futures.Future":
+        """Run `fn()` on the worker at the next boundary, with no forward in flight (slot save and
+        restore); the future carries its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(EngineError(503, "service_unavailable", "server is shutting down"))
+                return fut
+            self._controls.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def _run_controls(self) -> None:
+        with self._cv:
+            controls, self._controls = self._controls, []
+        for fn, fut in controls:
+            try:
+                with self._cv:
+                    result = fn()
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it through the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
 
     # -- worker ---------------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -171,12 +208,21 @@ class Engine:
             self._fail_all_on_shutdown()
 
     def _has_work_locked(self) -> bool:
-        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled)
+        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled or self._controls)
 
     def _iteration(self) -> None:
+        if self._controls:
+            self._run_controls()
         for seq in self._boundary(admit=True):
             try:
-                self.runner.reset_slot(seq.slot)
+                if self.cache is not None:
+                    with self._cv:
+                        self.cache.materialize(seq)
+                    plan = seq.cache_plan
+                    log.info("request %s context: source=%s cache=%d prompt=%d captures=%d",
+                             seq.request_id, plan.source, seq.cache_n, seq.prompt_len, len(plan.captures))
+                else:
+                    self.runner.reset_slot(seq.slot)
             except Exception as exc:
                 self._fail(seq, exc)
         with self._cv:
@@ -232,18 +278,38 @@ class Engine:
         try:
             logits = self.runner.decode(views, [s.last_token for s in batch])
             tokens = sample(logits, [s.sampler for s in batch])
+            forced = [s.thinking.next_forced() for s in batch]  # an early close commits unsampled
+            tokens = [t if f is None else f for t, f in zip(tokens, forced)]
+            records = self._logprob_records(logits, batch, tokens, forced)
         except Exception as exc:
             log.exception("decode failed for %d requests", len(batch))
             for s in batch:
                 self._fail(s, exc)
             return
-        for s, token in zip(batch, tokens):
+        for s, token, record in zip(batch, tokens, records):
             s.num_cached += 1
-            self._commit(s, token)
+            self._commit(s, token, record)
+
+    @staticmethod
+    def _logprob_records(logits, seqs: list[Sequence], tokens: list[int], forced: list) -> list:
+        rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and forced[i] is None]
+        records = [None] * len(seqs)
+        if rows:
+            if logits.dim() == 1:
+                logits = logits.unsqueeze(0)
+            got = token_logprobs(logits[rows], [seqs[i].sampler for i in rows], [tokens[i] for i in rows],
+                                 [seqs[i].request.logprobs for i in rows])
+            for i, r in zip(rows, got):
+                records[i] = r
+        return records
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_cached
-        chunk = seq.prompt_ids[start: start + self.options.prefill_chunk]
+        end = start + self.options.prefill_chunk
+        split = self.cache.next_split(seq) if self.cache is not None else None
+        if split is not None and split < end:
+            end = split  # the chunk ends at a checkpoint frontier, so the capture needs no forward
+        chunk = seq.prompt_ids[start: end]
         view = SeqView(seq.slot, seq.pages[: pages_for(start + len(chunk), self.page_size)], start)
         last = start + len(chunk) == seq.prompt_len
         try:
@@ -251,11 +317,18 @@ class Engine:
             if last and seq.request.score_token_ids:
                 seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
             token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
+            record = None
+            if token is not None:
+                row = logits[-1:] if logits.dim() == 2 else logits
+                record = self._logprob_records(row, [seq], [token], [None])[0]
         except Exception as exc:
             log.exception("prefill failed for request %s", seq.request_id)
             self._fail(seq, exc)
             return
         seq.num_cached += len(chunk)
+        if self.cache is not None and not last:
+            with self._cv:
+                self.cache.after_chunk(seq, time.monotonic())
         if not last:
             return
         seq.t_first = time.monotonic()
@@ -263,9 +336,9 @@ class Engine:
             self._finish(seq, "length", "context" if seq.at_context else "max_tokens", "")
             return
         seq.status = SeqStatus.DECODE
-        self._commit(seq, token)
+        self._commit(seq, token, record)
 
-    def _commit(self, seq: Sequence, token: int) -> None:
+    def _commit(self, seq: Sequence, token: int, record=None) -> None:
         """Append a sampled token, publish its text, and finish the request when it ends."""
         now = time.monotonic()
         seq.t_first = seq.t_first if seq.output_ids else now
@@ -273,18 +346,33 @@ class Engine:
         seq.output_ids.append(token)
         seq.unsent_ids.append(token)
         seq.sampler.observe(token)
+        if seq.thinking.on_commit(token) and seq.thinking.post_thinking is not None:
+            seq.sampler = seq.thinking.switch_sampler(seq.sampler, self.options.greedy)
         if token in self.eos_token_ids and not seq.request.ignore_eos:
             self._finish(seq, "stop", "eos", seq.output.finish())
             return
+        if record is not None:
+            seq.unsent_logprobs.append((record, seq.output.decoded_chars))
         text = seq.output.feed(token)
-        if seq.output.stopped:
+        if seq.output.stopped:  # records of the tokens the stop string cuts are dropped
+            published = seq.output.published_chars
+            seq.unsent_logprobs = [(r, at) for r, at in seq.unsent_logprobs if at < published]
             self._finish(seq, "stop", "stop_string", text)
         elif len(seq.output_ids) >= seq.max_tokens:
             self._finish(seq, "length", "context" if seq.at_context else "max_tokens",
                          text + seq.output.finish())
-        elif text:
-            ids, seq.unsent_ids = seq.unsent_ids, []
-            seq.post(EngineEvent("delta", token_ids=ids, text=text))
+        else:
+            seq.thinking.start_early_close()
+            if text:
+                ids, seq.unsent_ids = seq.unsent_ids, []
+                seq.post(EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
+
+    @staticmethod
+    def _take_logprobs(seq: Sequence) -> list | None:
+        if seq.request.logprobs is None:
+            return None
+        records, seq.unsent_logprobs = seq.unsent_logprobs, []
+        return [r for r, _ in records]
 
     # -- ending requests ------------------------------------------------------------------------
     def _end_locked(self, seq: Sequence, counter: str) -> None:
@@ -297,14 +385,20 @@ class Engine:
         with self._cv:
             if seq.status is SeqStatus.FINISHED:
                 return
+            if self.cache is not None:
+                try:
+                    self.cache.on_finish(seq, True, time.monotonic())
+                except Exception:  # a capture failure must not fail the finished request
+                    log.exception("context cache: publishing request %s failed", seq.request_id)
             self._end_locked(seq, "requests_completed")
         if text or seq.unsent_ids:
             ids, seq.unsent_ids = seq.unsent_ids, []
-            seq.post(EngineEvent("delta", token_ids=ids, text=text))
+            seq.post(EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
         seq.post(self._finish_event(seq, reason, stop_reason))
 
     def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
-        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids))
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
+                      cached_tokens=seq.cache_n)
         t = seq.timings() or {}
         # Counts and rates only: a log line never carries prompt or output text.
         log.info("request %s %s (%s): prompt %d tokens (%d cached) in %.0f ms, %d output tokens at %.1f tok/s",
@@ -312,7 +406,8 @@ class Engine:
                  t.get("prompt_ms", 0.0) or 0.0, len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0)
         return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
                            timings=seq.timings(), matched_stop=seq.output.matched_stop,
-                           scores=getattr(seq, "scores", None))
+                           scores=getattr(seq, "scores", None),
+                           thinking=seq.thinking.facts() if seq.thinking is not None else None)
 
     def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(

@@ -86,6 +86,12 @@ class Sequence:
         self.unsent_ids: list[int] = []  # committed tokens not yet carried by a delta event
         self.passed_over = 0  # prefill units given to another staged lane since this one last ran
         self.cancel_requested = False
+        self.unsent_logprobs: list = []  # (TokenLogprob, its first char offset) not yet in a delta
+        self.thinking = None  # ThinkingControl, set by the engine
+        # Context cache: hints of reusable frontiers, the admission's reuse plan, reused tokens.
+        self.hints = getattr(request, "checkpoint_hints", None)
+        self.cache_plan = None
+        self.cache_n = 0
 
         self.t_submit = time.monotonic()
         self.t_admit: float | None = None
@@ -111,7 +117,7 @@ class Sequence:
     def timings(self) -> dict:
         """llama.cpp-style timings (spec "llama.cpp-compatible request observations"); zero rates
         instead of NaN or infinity for empty or instantaneous phases."""
-        prompt_n = min(self.num_cached, self.prompt_len)
+        prompt_n = max(0, min(self.num_cached, self.prompt_len) - self.cache_n)
         prompt_ms = ((self.t_first or self.t_admit or 0.0) - (self.t_admit or 0.0)) * 1000.0
         predicted_n = len(self.output_ids)
         predicted_ms = ((self.t_last or 0.0) - (self.t_first or 0.0)) * 1000.0 if predicted_n else 0.0
@@ -124,7 +130,7 @@ class Sequence:
             return ms / n if n and ms > 0 else 0.0
 
         return {
-            "cache_n": 0,
+            "cache_n": self.cache_n,
             "prompt_n": prompt_n,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": per_token(prompt_ms, prompt_n),

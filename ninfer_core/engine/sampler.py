@@ -117,3 +117,36 @@ def _draw(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     target = u.to(cum.dtype).unsqueeze(1) * cum[:, -1:]
     choice = (cum < target).sum(-1).clamp_(max=k - 1)  # first candidate whose cumulative mass reaches u
     return ids.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
+
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for a sampled token outside its position's top 20
+
+
+def token_logprobs(logits: torch.Tensor, states: list[SamplerState], tokens: list[int],
+                   ks: list[int]) -> list:
+    """TokenLogprob per row for the tokens just sampled (call before `observe`).
+
+    Values: the logits after the presence/frequency penalties, divided by the temperature (1 for
+    greedy), log-softmaxed over the whole vocabulary; top_k/top_p/min_p do not change them. A token
+    outside the position's 20 most likely reports LOGPROB_FLOOR."""
+    from ninfer_core.engine.api import TokenLogprob
+
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    out = []
+    for row, (s, token, k) in enumerate(zip(states, tokens, ks)):
+        x = logits[row].float().clone()  # [vocab]
+        if s.has_penalties and s.counts:
+            ids = torch.tensor(list(s.counts), device=x.device)
+            counts = torch.tensor(list(s.counts.values()), device=x.device, dtype=x.dtype)
+            x[ids] -= s.params.presence_penalty + s.params.frequency_penalty * counts
+        if not s.greedy and s.params.temperature > 0:
+            x = x / s.params.temperature
+        lp = torch.log_softmax(x, dim=-1)
+        n = min(CANDIDATES, lp.shape[-1])
+        vals, ids = lp.topk(n)
+        vals, ids = vals.tolist(), ids.tolist()
+        chosen = float(lp[token]) if token in ids else LOGPROB_FLOOR
+        top = list(zip(ids[: max(0, min(k, n))], vals[: max(0, min(k, n))]))
+        out.append(TokenLogprob(int(token), chosen, top))
+    return out
