@@ -8,12 +8,11 @@ Response is known, because Item ids must be unique across the whole conversation
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer_core.engine.api import EngineError, GenerationRequest
+from ninfer_core.engine.api import EngineError
 from ninfer_core.protocols.responses_items import show
 from ninfer_core.protocols.responses_tools import ToolSet, parse_tools
 from ninfer_core.server.context import ServerContext
@@ -22,6 +21,9 @@ from ninfer_core.server.errors import bad_request, parse_json_body
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
 INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
+# Engine features this adapter passes through once they are wired end to end (see docs/responses.md).
+LOGPROBS_WIRED = False
+THINKING_BUDGET_WIRED = False
 
 CREATE_FIELDS = {
     "model", "input", "instructions", "previous_response_id", "max_output_tokens", "stream", "store",
@@ -228,11 +230,6 @@ def _include(v: Any) -> list[str]:
     return list(dict.fromkeys(v))
 
 
-def engine_has(name: str) -> bool:
-    """Whether the engine-client GenerationRequest carries a field (features landing separately)."""
-    return any(f.name == name for f in dataclasses.fields(GenerationRequest))
-
-
 def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> CreatePlan:
     allowed = COUNT_FIELDS if count_only else CREATE_FIELDS
     for key in data:
@@ -318,7 +315,7 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         raise bad_request("unknown_graft", f"graft {show(graft)} is not loaded by this server (it loads no "
                           "grafts).", "graft")
     budget = _int(data, "thinking_budget", 1)
-    if budget is not None and not engine_has("thinking_budget"):
+    if budget is not None and not THINKING_BUDGET_WIRED:
         raise bad_request("thinking_budget_not_supported", f"thinking_budget {budget} cannot be enforced: this "
                           "build's engine has no thinking-budget support yet.", "thinking_budget")
 
@@ -344,7 +341,7 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
                               "the foreground of their request.", "background")
     include = _include(data.get("include"))
     logprobs = "message.output_text.logprobs" in include or bool(top_logprobs)
-    if logprobs and not engine_has("logprobs"):
+    if logprobs and not LOGPROBS_WIRED:
         param = "top_logprobs" if top_logprobs else f"include.{include.index('message.output_text.logprobs')}"
         raise bad_request("logprobs_not_supported", "token log probabilities are not supported by this build's "
                           "engine yet.", param)
