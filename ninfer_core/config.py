@@ -29,6 +29,21 @@ class EngineOptions:
     seed: int | None = None
     greedy: bool = False
     cuda_graph: bool = True  # decode rounds as CUDA Graphs where the model family supports them
+    # Context cache (ninfer_core.engine.cache_options): the library default is root-only;
+    # `ninfer serve` turns reuse on unless --no-prefix-reuse. None capacities take the spec defaults.
+    prefix_reuse: bool = False
+    device_state_slots: int | None = None
+    host_state_slots: int | None = None
+    host_kv_mib: int | None = None
+    host_cache_mib: int | None = None
+    max_private_continuations: int | None = None
+    max_shared_prefixes: int | None = None
+    max_long_anchors_per_continuation: int | None = None
+    auto_long_anchors: bool = False
+    long_anchor_spacing: int = 1024
+    branch_anchors: bool = False
+    endpoint_anchors: bool = True
+    slot_save_path: str | None = None
 
     def resolved_kv_capacity(self) -> int:
         return self.kv_capacity if self.kv_capacity is not None else self.max_context
@@ -113,6 +128,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="run decode rounds eagerly instead of replaying captured CUDA Graphs")
+    from ninfer_core.engine.cache_options import add_cache_arguments
+
+    add_cache_arguments(p)
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -126,6 +144,9 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
         seed=a.seed, greedy=a.greedy, cuda_graph=not getattr(a, "no_cuda_graph", False),
     )
+    from ninfer_core.engine.cache_options import apply_cache_arguments
+
+    apply_cache_arguments(a, eng)
     return ServeOptions(
         artifact=a.artifact, host=a.host, port=a.port, api_key=a.api_key, model_id=a.model_id,
         cors=a.cors, chat_template=a.chat_template, no_thinking=a.no_thinking,

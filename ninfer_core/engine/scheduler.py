@@ -6,6 +6,7 @@ they mutate it, so snapshots read a consistent state.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from ninfer_core.engine.pages import PagePool
@@ -23,10 +24,11 @@ class Scheduler:
     """
 
     def __init__(self, max_lanes: int, pages: PagePool, slots: SlotPool,
-                 starvation_limit: int = STARVATION_LIMIT):
+                 starvation_limit: int = STARVATION_LIMIT, cache=None):
         self.max_lanes = max_lanes
         self.pages = pages
         self.slots = slots
+        self.cache = cache  # ninfer_core.engine.cache.ContextCache, or None (root only)
         self.starvation_limit = starvation_limit
         self.waiting: deque[Sequence] = deque()
         self.lanes: list[Sequence] = []  # admission order
@@ -53,6 +55,9 @@ class Scheduler:
     def can_admit_head(self) -> bool:
         if not self.waiting or len(self.lanes) >= self.max_lanes or self.slots.num_free == 0:
             return False
+        if self.cache is not None:
+            # Plans the head's reuse and evicts inactive checkpoints until its entitlement fits.
+            return self.cache.make_room(self.waiting[0])
         return self.pages.can_allocate(self.waiting[0].entitlement_pages)
 
     def admit(self, concurrent_prefill: bool = False) -> list[Sequence]:
@@ -66,9 +71,12 @@ class Scheduler:
             if not concurrent_prefill and any(s.status is SeqStatus.PREFILL for s in self.lanes):
                 break
             seq = self.waiting.popleft()
-            seq.pages = self.pages.allocate(seq.entitlement_pages)
             seq.slot = self.slots.allocate()
-            seq.num_cached = 0
+            if self.cache is not None:
+                self.cache.admit(seq, time.monotonic())  # pages, num_cached at the reuse frontier
+            else:
+                seq.pages = self.pages.allocate(seq.entitlement_pages)
+                seq.num_cached = 0
             seq.passed_over = 0
             seq.status = SeqStatus.PREFILL
             self.lanes.append(seq)
@@ -78,6 +86,8 @@ class Scheduler:
     # -- lanes ----------------------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
         """Give back a lane's pages and slot (or drop a waiting sequence) and mark it finished."""
+        if self.cache is not None:
+            self.cache.release(seq)  # holds of a request that did not publish (cancel, failure)
         if seq in self.lanes:
             self.lanes.remove(seq)
             self.pages.free(seq.pages)

@@ -195,7 +195,10 @@ def _make_server(config: Any, on_exit):
 
 
 def run_serve(args) -> int:
-    options = options_from_args(args)
+    try:
+        options = options_from_args(args)
+    except ValueError as e:  # a refused option combination (e.g. --no-prefix-reuse with a capacity)
+        return _fail(str(e))
     _setup_logging(options.log_level)
     host = PluginHost(PluginSelection.from_sources(args.plugin))
     try:

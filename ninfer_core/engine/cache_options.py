@@ -1,0 +1,67 @@
+"""The context-cache serve options (spec "Server options"), kept beside the cache they configure.
+
+`config.add_serve_arguments` and `config.options_from_args` call these two functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# The explicit capacity flags --no-prefix-reuse refuses, even when zero (spec "Server options").
+CAPACITY_FLAGS = ("device_state_slots", "host_state_slots", "host_kv_mib", "host_cache_mib",
+                  "max_private_continuations", "max_shared_prefixes", "max_long_anchors_per_continuation")
+
+
+def _count(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("context cache")
+    g.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching")
+    g.add_argument("--device-state-slots", type=_count, default=None,
+                   help="extra Device checkpoint StateImages beyond the active lanes (default: max-concurrency)")
+    g.add_argument("--host-state-slots", type=_count, default=None, help="Host StateImage capacity (default 8)")
+    g.add_argument("--host-kv-mib", type=_count, default=None, help="Host KV capacity in MiB (default 8192)")
+    g.add_argument("--host-cache-mib", type=_count, default=None,
+                   help="one Host ceiling for the retention tier; derives the state/KV split")
+    g.add_argument("--max-private-continuations", type=_count, default=None,
+                   help="private continuation cells (/slots) (default: 2 * max-concurrency)")
+    g.add_argument("--max-shared-prefixes", type=_count, default=None,
+                   help="shared stable prefixes (default: max(max-concurrency, 7))")
+    g.add_argument("--max-long-anchors-per-continuation", type=_count, default=None,
+                   help="long anchors per continuation (default 2, 4 with --auto-long-anchors)")
+    g.add_argument("--auto-long-anchors", action="store_true",
+                   help="anchor message boundaries of every request automatically")
+    g.add_argument("--long-anchor-spacing", type=_count, default=1024,
+                   help="minimum token gap between automatic anchors, doubling per anchor")
+    g.add_argument("--branch-anchors", action="store_true",
+                   help="capture a long anchor where a prompt leaves a retained conversation")
+    g.add_argument("--no-endpoint-anchors", action="store_true",
+                   help="do not keep a resumed endpoint as a long anchor")
+    g.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="enable POST /slots/{id} save/restore/erase with files in DIR")
+
+
+def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
+    """Copy the parsed flags onto EngineOptions; raises ValueError for refused combinations."""
+    if getattr(a, "no_prefix_reuse", False):
+        given = ["--" + f.replace("_", "-") for f in CAPACITY_FLAGS if getattr(a, f, None) is not None]
+        if given:
+            raise ValueError(f"--no-prefix-reuse cannot be combined with {', '.join(given)}")
+        if getattr(a, "slot_save_path", None):
+            raise ValueError("--slot-save-path needs the checkpoint catalog: it is refused with --no-prefix-reuse")
+    if getattr(a, "host_cache_mib", None) is not None and (
+            getattr(a, "host_state_slots", None) is not None or getattr(a, "host_kv_mib", None) is not None):
+        raise ValueError("--host-cache-mib replaces --host-state-slots and --host-kv-mib; give one or the other")
+    eng.prefix_reuse = not getattr(a, "no_prefix_reuse", False)
+    for f in CAPACITY_FLAGS:
+        setattr(eng, f, getattr(a, f, None))
+    eng.auto_long_anchors = bool(getattr(a, "auto_long_anchors", False))
+    eng.long_anchor_spacing = int(getattr(a, "long_anchor_spacing", 1024))
+    eng.branch_anchors = bool(getattr(a, "branch_anchors", False))
+    eng.endpoint_anchors = not getattr(a, "no_endpoint_anchors", False)
+    eng.slot_save_path = getattr(a, "slot_save_path", None)

@@ -1,0 +1,130 @@
+"""Checkpoints of the context cache: KV pages plus a StateImage at an exact token frontier.
+
+Pure bookkeeping, no model calls. A `Checkpoint` holds one reference on each KV page covering
+[0, frontier) and one StateImage, either in a Device state slot (a runner slot beyond the lanes)
+or as a Host copy (`StateImage`). Holders (continuations, shared prefixes, requests resuming from
+it) count in `refs`; the last one to let go returns its pages and state to the pools.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ninfer_core.engine.model_api import StateImage
+
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+MASK64 = (1 << 64) - 1
+
+# Reuse paths (spec "Execution behavior" and ninfer:context_selections_total{source}).
+SOURCES = ("root", "private_endpoint", "private_turn_closure", "private_response_replay",
+           "private_long_anchor", "shared_stable_prefix")
+KIND_SOURCE = {"endpoint": "private_endpoint", "turn_closure": "private_turn_closure",
+               "response_replay": "private_response_replay", "long_anchor": "private_long_anchor",
+               "shared": "shared_stable_prefix"}
+
+
+def session_digest(tokens) -> str:
+    """FNV-1a 64 over the token ids (one id per step), as 16 hex characters."""
+    h = FNV_OFFSET
+    for t in tokens:
+        h = ((h ^ (int(t) & MASK64)) * FNV_PRIME) & MASK64
+    return f"{h:016x}"
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """KV pages [0, frontier) and the recurrent state after exactly `tokens` (len == frontier)."""
+
+    tokens: tuple[int, ...]
+    pages: list[int]  # pages_for(frontier) page ids, one reference each
+    device_slot: int | None = None  # runner state slot holding the StateImage, or
+    image: StateImage | None = None  # its Host copy
+    refs: int = 0
+    last_used: float = 0.0
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def frontier(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.device_slot is not None else "host"
+
+    @cached_property
+    def digest(self) -> str:
+        return session_digest(self.tokens)
+
+    def matches(self, prompt: list[int]) -> bool:
+        """True when the prompt starts with this checkpoint's tokens and runs past them."""
+        f = len(self.tokens)
+        return f < len(prompt) and tuple(prompt[:f]) == self.tokens
+
+
+@dataclass(eq=False)
+class Entry:
+    """A checkpoint as one owner keeps it: the kind says which reuse path it serves."""
+
+    kind: str  # endpoint | turn_closure | long_anchor | response_replay | shared
+    ckpt: Checkpoint
+
+
+@dataclass(eq=False)
+class Continuation:
+    """A private context-cache cell (a /slots slot): one retained conversation's checkpoints."""
+
+    slot: int
+    session: tuple[int, ...]  # every token of the session, the last sampled one included
+    entries: list[Entry]
+    last_used: float = 0.0
+    busy: int = 0  # active requests that resumed from it (is_processing)
+    filename: str | None = None  # bound slot file (last save/restore)
+
+    @cached_property
+    def digest(self) -> str:
+        return session_digest(self.session)
+
+    def endpoint(self) -> Entry | None:
+        return next((e for e in self.entries if e.kind == "endpoint"), None)
+
+    def deepest(self) -> Checkpoint | None:
+        return max((e.ckpt for e in self.entries), key=lambda c: c.frontier, default=None)
+
+
+@dataclass
+class CheckpointHints:
+    """Where a prompt's reusable frontiers are, as the server knows them from the template.
+
+    turn_closure: the frontier before the assistant opener of the open turn; boundaries: message
+    starts (long-anchor candidates); stable_prefix: the end of the system/tools prefix that other
+    conversations may share; markers: explicit client cache markers.
+    """
+
+    turn_closure: int | None = None
+    boundaries: list[int] = field(default_factory=list)
+    stable_prefix: int | None = None
+    markers: list[int] = field(default_factory=list)
+
+
+def hints_from_chat_tokens(prompt: list[int], im_start: int | None, system_first: bool | None = None
+                           ) -> CheckpointHints:
+    """Derive hints from a ChatML-rendered prompt: every `<|im_start|>` starts a message.
+
+    The last one opens the assistant turn (its position is the turn closure); the second one ends
+    the first message, which is the stable prefix when that message is the system prompt.
+    """
+    if im_start is None:
+        return CheckpointHints()
+    starts = [i for i, t in enumerate(prompt) if t == im_start and i > 0]
+    hints = CheckpointHints(boundaries=starts[:-1])
+    if starts:
+        hints.turn_closure = starts[-1]
+    if len(starts) >= 2 and system_first is not False:
+        hints.stable_prefix = starts[0]
+    return hints

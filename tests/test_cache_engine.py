@@ -1,0 +1,316 @@
+"""The checkpoint catalog inside the Engine, on the toy runner.
+
+The toy runner's logits are a function of the whole prefix read back out of the KV pages and
+checked against the state slot, so a wrong state copy, a missed copy-on-write of a tail page or a
+page freed too early raises or changes the output. Every scenario compares greedy output served
+from a checkpoint with the same prompt served from root by a root-only engine, reports the reuse
+path, and ends with the pool accounting audited and, after the catalog is cleared, back to idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from ninfer_core.config import EngineOptions
+from ninfer_core.engine.api import GenerationRequest, SamplingParams
+from ninfer_core.engine.checkpoints import CheckpointHints
+from ninfer_core.engine.engine import Engine
+from ninfer_core.testing import ToyRunner, ToyTokenizer, collect, run_async
+
+TOK = ToyTokenizer()
+GREEDY = SamplingParams(temperature=0.0)
+_engines: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown():
+    yield
+    while _engines:
+        eng = _engines.pop()
+        eng.runner.resume()
+        eng.shutdown(timeout=30)
+
+
+def engine(reuse: bool = True, **opts) -> Engine:
+    eng = Engine(ToyRunner(), TOK, EngineOptions(**{"max_context": 2048, "prefill_chunk": 64,
+                                                     "prefix_reuse": reuse, **opts}))
+    _engines.append(eng)
+    eng.start()
+    return eng
+
+
+def run(eng: Engine, prompt, max_tokens=8, hints=None):
+    async def go():
+        h = eng.submit(GenerationRequest(prompt_ids=list(prompt), sampling=GREEDY, max_tokens=max_tokens,
+                                         checkpoint_hints=hints or CheckpointHints()))
+        return await collect(h)
+
+    out = run_async(go())
+    assert out.finish is not None, out.events
+    return out
+
+
+def root_output(prompt, max_tokens=8) -> list[int]:
+    eng = engine(reuse=False)
+    try:
+        return run(eng, prompt, max_tokens).token_ids
+    finally:
+        _engines.remove(eng)
+        eng.shutdown(timeout=30)
+
+
+def audit(eng: Engine) -> None:
+    """Accounting matches the holders now, and returns exactly to idle once the catalog is cleared."""
+    with eng._cv:
+        assert not eng.scheduler.lanes and not eng.scheduler.waiting
+        eng.cache.audit([])
+    eng.run_control(eng.cache.clear).result(30)
+    snap = eng.snapshot()
+    assert snap["pages_free"] == snap["pages_total"], snap
+    assert snap["slots_free"] == snap["slots_total"]
+    cc = snap["context_cache"]
+    assert cc["device_state_slots_used"] == 0 and cc["host_state_slots_used"] == 0, cc
+    assert cc["checkpoints"] == 0 and cc["private_continuations"] == 0 and cc["shared_prefixes"] == 0
+
+
+def toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+def source_of(eng: Engine, before: dict) -> str:
+    now = eng.snapshot()["context_cache"]["selections"]
+    changed = [k for k in now if now[k] != before.get(k, 0)]
+    assert len(changed) == 1, (before, now)
+    return changed[0]
+
+
+def selections(eng):
+    return dict(eng.snapshot()["context_cache"]["selections"])
+
+
+def test_endpoint_reuse_equals_root_and_reports_cached_tokens():
+    rng = random.Random(1)
+    eng = engine()
+    p1 = toks(rng, 150)
+    o1 = run(eng, p1)
+    p2 = p1 + o1.token_ids + toks(rng, 40)
+    sel = selections(eng)
+    o2 = run(eng, p2)
+    assert source_of(eng, sel) == "private_endpoint"
+    frontier = len(p1) + len(o1.token_ids) - 1  # the last sampled token is not in the KV yet
+    assert o2.finish.usage.cached_tokens == frontier
+    assert o2.finish.timings["cache_n"] == frontier
+    assert o2.finish.timings["prompt_n"] == len(p2) - frontier
+    assert o2.token_ids == root_output(p2)
+    counters = eng.snapshot()["context_cache"]
+    assert counters["reused_prompt_tokens"] == frontier
+    assert counters["computed_prefill_tokens"] == len(p1) + len(p2) - frontier
+    audit(eng)
+
+
+def test_turn_closure_serves_a_regenerated_reply():
+    rng = random.Random(2)
+    eng = engine()
+    p1 = toks(rng, 130)
+    hints = CheckpointHints(turn_closure=127)  # before a 3-token "assistant opener"
+    o1 = run(eng, p1, hints=hints)
+    sel = selections(eng)
+    o2 = run(eng, p1, hints=hints)  # the same prompt again: regenerate
+    assert source_of(eng, sel) == "private_turn_closure"
+    assert o2.finish.usage.cached_tokens == 127
+    assert o2.token_ids == o1.token_ids == root_output(p1)
+    # An edited last message after the closure point resumes there too.
+    p3 = p1[:127] + toks(rng, 20)
+    sel = selections(eng)
+    o3 = run(eng, p3)
+    assert source_of(eng, sel) == "private_turn_closure"
+    assert o3.token_ids == root_output(p3)
+    audit(eng)
+
+
+def test_marker_long_anchor_and_endpoint_anchor():
+    rng = random.Random(3)
+    eng = engine()
+    p1 = toks(rng, 200)
+    o1 = run(eng, p1, hints=CheckpointHints(markers=[70]))
+    # A rewrite of history after the marker resumes from the marker's long anchor.
+    p_rw = p1[:70] + toks(rng, 30)
+    sel = selections(eng)
+    o_rw = run(eng, p_rw)
+    assert source_of(eng, sel) == "private_long_anchor"
+    assert o_rw.finish.usage.cached_tokens == 70
+    assert o_rw.token_ids == root_output(p_rw)
+    # Extend the original conversation at its endpoint, then branch right at that old endpoint:
+    # the endpoint was kept as an endpoint anchor of the extended conversation.
+    end1 = p1 + o1.token_ids[:-1]
+    p2 = p1 + o1.token_ids + toks(rng, 30)
+    sel = selections(eng)
+    run(eng, p2)
+    assert source_of(eng, sel) == "private_endpoint"
+    p_branch = end1 + toks(rng, 25)
+    sel = selections(eng)
+    o_b = run(eng, p_branch)
+    assert source_of(eng, sel) == "private_long_anchor"
+    assert o_b.finish.usage.cached_tokens == len(end1)
+    assert o_b.token_ids == root_output(p_branch)
+    audit(eng)
+
+
+def test_no_endpoint_anchors_flag_drops_them():
+    rng = random.Random(4)
+    eng = engine(endpoint_anchors=False)
+    p1 = toks(rng, 100)
+    o1 = run(eng, p1)
+    run(eng, p1 + o1.token_ids + toks(rng, 10))
+    sel = selections(eng)
+    run(eng, p1 + o1.token_ids[:-1] + toks(rng, 10))
+    assert source_of(eng, sel) == "root"
+    audit(eng)
+
+
+def test_shared_stable_prefix_published_on_second_sighting():
+    rng = random.Random(5)
+    eng = engine()
+    system = toks(rng, 90)
+    hints = CheckpointHints(stable_prefix=90)
+    prompts = [system + toks(rng, 30) for _ in range(3)]
+    sel = selections(eng)
+    run(eng, prompts[0], hints=hints)  # first sighting: remembered only
+    run(eng, prompts[1], hints=hints)  # second sighting: captured during prefill and published
+    assert eng.snapshot()["context_cache"]["shared_prefixes"] == 1
+    after_two = selections(eng)
+    assert after_two["root"] - sel["root"] == 2
+    o3 = run(eng, prompts[2], hints=hints)
+    assert source_of(eng, after_two) == "shared_stable_prefix"
+    assert o3.finish.usage.cached_tokens == 90
+    assert o3.token_ids == root_output(prompts[2])
+    audit(eng)
+
+
+def test_auto_long_anchors_at_message_boundaries_with_spacing():
+    rng = random.Random(6)
+    eng = engine(auto_long_anchors=True, long_anchor_spacing=32)
+    p1 = toks(rng, 300)
+    boundaries = [40, 100, 180, 240, 280]
+    run(eng, p1, hints=CheckpointHints(boundaries=boundaries, turn_closure=297))
+    cont = next(c for c in eng.cache.continuations if c is not None)
+    anchors = sorted(e.ckpt.frontier for e in cont.entries if e.kind == "long_anchor")
+    # From the end: 280 is < 32 below 297? no: grid starts at the prompt end (300): 280 is 20 below,
+    # skipped; 240 is 60 >= 32 below 300; then >= 64 below 240: 100 is 140 below (180 is 60, skipped).
+    assert anchors == [100, 240]
+    p_edit = p1[:100] + toks(rng, 50)
+    sel = selections(eng)
+    o = run(eng, p_edit)
+    assert source_of(eng, sel) == "private_long_anchor" and o.finish.usage.cached_tokens == 100
+    assert o.token_ids == root_output(p_edit)
+    audit(eng)
+
+
+def test_branch_anchor_where_a_prompt_leaves_a_retained_conversation():
+    rng = random.Random(7)
+    eng = engine(branch_anchors=True, max_context=4096, kv_capacity=8192)
+    p1 = toks(rng, 1500)
+    run(eng, p1, max_tokens=2)
+    # Diverges at 1200, > 1024 above every checkpoint of the conversation (it has only an endpoint).
+    b1 = p1[:1200] + toks(rng, 20)
+    run(eng, b1, max_tokens=2)
+    b2 = p1[:1200] + toks(rng, 20)
+    sel = selections(eng)
+    o = run(eng, b2, max_tokens=4)
+    assert source_of(eng, sel) == "private_long_anchor" and o.finish.usage.cached_tokens == 1200
+    assert o.token_ids == root_output(b2, 4)
+    audit(eng)
+
+
+def test_host_tier_demotion_and_restore_under_device_slot_pressure():
+    rng = random.Random(8)
+    eng = engine(device_state_slots=1, host_state_slots=4, max_private_continuations=4)
+    convs = [toks(rng, 70 + 10 * i) for i in range(3)]
+    outs = [run(eng, p) for p in convs]
+    cc = eng.snapshot()["context_cache"]
+    assert cc["device_state_slots_used"] == 1 and cc["host_state_slots_used"] == 2, cc
+    assert cc["transfer_bytes"]["state_d2h"] > 0
+    for p, o in zip(convs, outs):  # the demoted ones restore from Host copies
+        p2 = p + o.token_ids + toks(rng, 5)
+        sel = selections(eng)
+        o2 = run(eng, p2)
+        assert source_of(eng, sel) == "private_endpoint"
+        assert o2.token_ids == root_output(p2)
+    assert eng.snapshot()["context_cache"]["transfer_bytes"]["state_h2d"] > 0
+    audit(eng)
+
+
+def test_page_pressure_evicts_inactive_owners_and_requests_still_run():
+    rng = random.Random(9)
+    # 12 pages of 64 tokens: each request needs 3-4; retained conversations must give way.
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8)
+    for i in range(8):
+        p = toks(rng, 150 + i)
+        assert run(eng, p, max_tokens=6).token_ids == root_output(p, 6)
+    cc = eng.snapshot()["context_cache"]
+    assert cc["pressure"]["private_owner_evicted"] > 0
+    audit(eng)
+
+
+def test_continuation_capacity_is_lru():
+    rng = random.Random(10)
+    eng = engine(max_private_continuations=2)
+    ps = [toks(rng, 80) for _ in range(3)]
+    outs = [run(eng, p) for p in ps]
+    assert eng.snapshot()["context_cache"]["private_continuations"] == 2
+    sel = selections(eng)
+    run(eng, ps[0] + outs[0].token_ids + [1, 2, 3])  # the oldest was evicted
+    assert source_of(eng, sel) == "root"
+    audit(eng)
+
+
+def test_two_lanes_resume_the_same_checkpoint_at_once_copy_on_write():
+    rng = random.Random(11)
+    eng = engine(max_concurrency=2, concurrent_prefill=True)
+    p1 = toks(rng, 100)  # frontier 100 + 7: the tail page is partly filled
+    o1 = run(eng, p1)
+    a = p1 + o1.token_ids + toks(rng, 20)
+    b = p1 + o1.token_ids + toks(rng, 25)
+
+    async def both():
+        ha = eng.submit(GenerationRequest(prompt_ids=a, sampling=GREEDY, max_tokens=12))
+        hb = eng.submit(GenerationRequest(prompt_ids=b, sampling=GREEDY, max_tokens=12))
+        return await asyncio.gather(collect(ha), collect(hb))
+
+    ra, rb = run_async(both())
+    assert ra.finish.usage.cached_tokens > 0 and rb.finish.usage.cached_tokens > 0
+    assert ra.token_ids == root_output(a, 12) and rb.token_ids == root_output(b, 12)
+    audit(eng)
+
+
+def test_cancel_mid_prefill_releases_every_hold():
+    rng = random.Random(12)
+    eng = engine(prefill_chunk=32)
+    p1 = toks(rng, 100)
+    o1 = run(eng, p1, hints=CheckpointHints(markers=[50]))
+    p2 = p1 + o1.token_ids + toks(rng, 200)
+    eng.runner.pause()
+
+    async def go():
+        h = eng.submit(GenerationRequest(prompt_ids=p2, sampling=GREEDY, max_tokens=4,
+                                         checkpoint_hints=CheckpointHints(markers=[150, 250])))
+        await asyncio.to_thread(eng.runner.entered.wait, 30)
+        h.cancel()
+        eng.runner.resume()
+        return await collect(h)
+
+    out = run_async(go())
+    assert out.finish.finish_reason == "cancelled"
+    audit(eng)
+
+
+def test_no_prefix_reuse_is_root_only():
+    eng = engine(reuse=False)
+    p = list(range(50, 150))
+    run(eng, p)
+    run(eng, p)
+    snap = eng.snapshot()
+    assert snap["context_cache"] is None and snap["pages_free"] == snap["pages_total"]
