@@ -9,6 +9,7 @@ loop never waits on a forward.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -21,6 +22,7 @@ import torch
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
 from ninfer_core.engine.budget import BudgetPolicy
+from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.detok import OutputText
 from ninfer_core.engine.model_api import PAGE_SIZE, ModelRunner, SeqView
 from ninfer_core.engine.pages import PagePool, pages_for
@@ -48,9 +50,14 @@ class Engine:
         self.page_size = PAGE_SIZE
         self.pool_pages = pages_for(options.resolved_kv_capacity(), self.page_size)
         self.cache_spec = runner.cache_spec()
-        runner.allocate_cache(self.pool_pages, options.max_concurrency, self.page_size)
-        self.scheduler = Scheduler(options.max_concurrency, PagePool(self.pool_pages, self.page_size),
-                                   SlotPool(options.max_concurrency))
+        pool = PagePool(self.pool_pages, self.page_size)
+        # Context cache (spec "Execution behavior"): None with --no-prefix-reuse or a runner that
+        # cannot capture state; its Device checkpoint slots are runner slots past the lanes.
+        self.cache = build_context_cache(runner, pool, options, self.cache_spec.state_bytes, self.page_size)
+        extra_slots = self.cache.device_slots_total if self.cache is not None else 0
+        runner.allocate_cache(self.pool_pages, options.max_concurrency + extra_slots, self.page_size)
+        self.scheduler = Scheduler(options.max_concurrency, pool, SlotPool(options.max_concurrency),
+                                   cache=self.cache)
         self.budget = BudgetPolicy(options.max_context, options.max_concurrency, self.pool_pages,
                                    self.page_size, options.default_max_tokens)
         self.capacity = options.max_concurrency + options.max_pending_requests
@@ -71,6 +78,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._order = itertools.count()
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self._controls: list = []  # (fn, concurrent.futures.Future) run by the worker at a boundary
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -106,6 +114,8 @@ class Engine:
                                       default_seed=self.options.seed)
         seq = Sequence(request, request_id, budget.max_tokens, budget.at_context, budget.entitlement_pages,
                        sampler, OutputText(self.tokenizer, request.stop))
+        if seq.hints is None and self.cache is not None:
+            seq.hints = derive_hints(self.tokenizer, seq.prompt_ids)
         seq.thinking = ThinkingControl(request, budget.max_tokens)
         if seq.deadline is None:  # the server normally sets it from the request's arrival
             seq.deadline = seq.t_submit + self.options.pending_timeout_ms / 1000.0
@@ -153,7 +163,32 @@ class Engine:
                 "kv_bytes": self.kv_bytes,
                 "state_bytes": self.state_bytes,
                 "counters": dict(self.counters),
+                "context_cache": self.cache.snapshot() if self.cache is not None else None,
             }
+
+    def run_control(self, fn) -> "concurrent.futures.Future":
+        """Run `fn()` on the worker at the next boundary, with no forward in flight (slot save and
+        restore); the future carries its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(EngineError(503, "service_unavailable", "server is shutting down"))
+                return fut
+            self._controls.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def _run_controls(self) -> None:
+        with self._cv:
+            controls, self._controls = self._controls, []
+        for fn, fut in controls:
+            try:
+                with self._cv:
+                    result = fn()
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it through the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
 
     # -- worker ---------------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -173,12 +208,21 @@ class Engine:
             self._fail_all_on_shutdown()
 
     def _has_work_locked(self) -> bool:
-        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled)
+        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled or self._controls)
 
     def _iteration(self) -> None:
+        if self._controls:
+            self._run_controls()
         for seq in self._boundary(admit=True):
             try:
-                self.runner.reset_slot(seq.slot)
+                if self.cache is not None:
+                    with self._cv:
+                        self.cache.materialize(seq)
+                    plan = seq.cache_plan
+                    log.info("request %s context: source=%s cache=%d prompt=%d captures=%d",
+                             seq.request_id, plan.source, seq.cache_n, seq.prompt_len, len(plan.captures))
+                else:
+                    self.runner.reset_slot(seq.slot)
             except Exception as exc:
                 self._fail(seq, exc)
         with self._cv:
@@ -261,7 +305,11 @@ class Engine:
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_cached
-        chunk = seq.prompt_ids[start: start + self.options.prefill_chunk]
+        end = start + self.options.prefill_chunk
+        split = self.cache.next_split(seq) if self.cache is not None else None
+        if split is not None and split < end:
+            end = split  # the chunk ends at a checkpoint frontier, so the capture needs no forward
+        chunk = seq.prompt_ids[start: end]
         view = SeqView(seq.slot, seq.pages[: pages_for(start + len(chunk), self.page_size)], start)
         last = start + len(chunk) == seq.prompt_len
         try:
@@ -278,6 +326,9 @@ class Engine:
             self._fail(seq, exc)
             return
         seq.num_cached += len(chunk)
+        if self.cache is not None and not last:
+            with self._cv:
+                self.cache.after_chunk(seq, time.monotonic())
         if not last:
             return
         seq.t_first = time.monotonic()
@@ -334,6 +385,11 @@ class Engine:
         with self._cv:
             if seq.status is SeqStatus.FINISHED:
                 return
+            if self.cache is not None:
+                try:
+                    self.cache.on_finish(seq, True, time.monotonic())
+                except Exception:  # a capture failure must not fail the finished request
+                    log.exception("context cache: publishing request %s failed", seq.request_id)
             self._end_locked(seq, "requests_completed")
         if text or seq.unsent_ids:
             ids, seq.unsent_ids = seq.unsent_ids, []
@@ -341,7 +397,8 @@ class Engine:
         seq.post(self._finish_event(seq, reason, stop_reason))
 
     def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
-        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids))
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
+                      cached_tokens=seq.cache_n)
         t = seq.timings() or {}
         # Counts and rates only: a log line never carries prompt or output text.
         log.info("request %s %s (%s): prompt %d tokens (%d cached) in %.0f ms, %d output tokens at %.1f tok/s",
