@@ -212,6 +212,10 @@ def single_prompt(prompt: Any, param: str = "prompt") -> Any:
                           "and strings mixed.", param)
     if not prompt:
         raise bad_request("invalid_value", f"{param} is empty.", param)
+    for i, p in enumerate(prompt):
+        if not (_is_token(p) or isinstance(p, (str, list))):
+            raise bad_request("invalid_type", "a prompt element must be a token id, a string or a prompt.",
+                              f"{param}.{i}")
     if _is_one_prompt(prompt):
         return prompt
     # a list of prompts (strings, id lists or mixed lists): only one is served per request
@@ -223,9 +227,6 @@ def single_prompt(prompt: Any, param: str = "prompt") -> Any:
             raise bad_request("invalid_value", f"{param} is empty.", f"{param}.0")
         raise bad_request("invalid_type", "a prompt must be a string, a list of token ids, or token ids "
                           "and strings mixed.", f"{param}.0")
-    for i, p in enumerate(prompt):
-        if not isinstance(p, (str, list)):
-            raise bad_request("invalid_type", "a prompt element must be a token id or a string.", f"{param}.{i}")
     raise bad_request("multiple_prompts_not_supported", f"{param} holds {len(prompt)} prompts; one request "
                       "produces one completion, so send one prompt per request.", param)
 
