@@ -86,6 +86,22 @@ class Qwen35Family(ModelFamily):
             return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
         return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
 
+    def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
+        """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device`
+        as the loader asks for them (`ninfer bench`; nothing is written)."""
+        import torch
+
+        from ninfer_qwen35.gpu.random_model import RandomArtifact
+
+        dev = torch.device(device)
+        return RandomArtifact(hf_config, device=dev, dtype=resolve_dtype(None, dev), seed=seed, **kw)
+
+    def transformers_model(self, runner, hf_config: dict):
+        """transformers' model of the same family sharing `runner`'s weight tensors (no copy)."""
+        from ninfer_qwen35.gpu.random_model import transformers_model
+
+        return transformers_model(runner, hf_config)
+
 
 def _text_state(artifact, names: list[str], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
     prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), None)

@@ -95,3 +95,26 @@ def test_configure_turns_graphs_off_and_cpu_never_uses_them(loaded):
     assert not r.graphs_enabled  # CPU
     r.configure(cuda_graph=False)
     assert r.cuda_graph is False
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_random_artifact_and_transformers_model_share_the_runner_tensors(kind):
+    """The bench's building blocks: random weights through the family loader, and a transformers
+    model re-pointed at the same tensors (same logits, same storage)."""
+    from ninfer_qwen35.testing import tiny_text_config
+
+    cfg = tiny_text_config(kind=kind)
+    fam = Qwen35Family()
+    art = fam.random_artifact(cfg, device="cpu", seed=3)
+    assert art.tensor_names() and all(art.get_tensor(n).abs().sum() > 0 for n in art.tensor_names()[:20])
+    r = fam.load(art, device="cpu")
+    fast = GpuQwen35Runner.from_runner(r)
+    hf = fam.transformers_model(fast, cfg)
+    assert hf.model.layers[0].linear_attn.in_proj_qkv.weight.data_ptr() == fast.fused[0].w_in.data_ptr()
+    assert hf.lm_head.weight.data_ptr() == fast.model.lm_head.weight.data_ptr()
+    ids = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(input_ids=ids, use_cache=False).logits[0].float()
+    fast.allocate_cache(8, 2)
+    out = fast.prefill(SeqView(slot=0, pages=[3, 1], num_cached=0), ids[0].tolist(), all_logits=True)
+    assert rel_err(out, ref) <= TOL
