@@ -187,6 +187,7 @@ class AnthropicMessages:
         async def count_tokens(request: Request) -> Response:
             return await self.count(request, ctx, counts)
 
+        count_tokens.ingress = counts  # reachable from the app's routes (tests, diagnostics)
         router.add_api_route("/v1/messages", messages, methods=["POST"])
         router.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
 

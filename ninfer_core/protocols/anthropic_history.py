@@ -366,8 +366,8 @@ def _prefill(blocks: list[tuple[dict, str]], thinking: bool, explicit: bool) -> 
                               f"message) must be text only; it contains a '{kind}' block.", f"{p}.type")
         else:
             raise _unsupported_block(kind, f"{p}.type", "assistant")
-    if thinking:
-        why = "enables thinking" if explicit else "leaves thinking to the server default, which is enabled"
+    if thinking or not explicit:  # the server default counts as enabled, even under --no-thinking
+        why = "enables thinking" if explicit else "leaves thinking to the server default"
         raise bad_request("assistant_prefill_not_supported", "An assistant prefill (a final assistant "
                           f"message) needs thinking disabled, and this request {why}: send thinking: "
                           "{\"type\": \"disabled\"}.", "messages")
