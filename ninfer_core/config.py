@@ -52,6 +52,75 @@ class EngineOptions:
         return self.decode_rounds_per_prefill or max(1, self.prefill_chunk // 64)
 
 
+EFFORT_VALUES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_POST_THINKING_KEYS = {"temp": "temperature", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "presence": "presence_penalty", "frequency": "frequency_penalty"}
+
+
+@dataclass
+class ThinkingOptions:
+    """Thinking defaults (spec "Server options"): budgets, effort and post-thinking sampling."""
+
+    default_thinking_budget: int | None = None
+    thinking_budget_message: str | None = None
+    default_reasoning_effort: str | None = None
+    post_thinking: bool = False  # sample the answer of thinking requests with the post-thinking preset
+    post_thinking_overrides: dict = field(default_factory=dict)  # sampler field -> value
+
+
+def _post_thinking_sampler(text: str) -> dict:
+    out: dict = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        name = _POST_THINKING_KEYS.get(key.strip())
+        if not sep or name is None:
+            raise argparse.ArgumentTypeError(f"expected temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F], "
+                                             f"got {item!r}")
+        try:
+            out[name] = int(value) if name == "top_k" else float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key.strip()} needs a number, got {value!r}") from None
+    return out
+
+
+def add_thinking_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--default-thinking-budget", type=_positive(1), default=None,
+                   help="thinking-token cap for requests that think and name no budget")
+    p.add_argument("--thinking-budget-message", default=None, metavar="TEXT",
+                   help="guidance inserted at the thinking budget (the </think> close is appended when missing)")
+    p.add_argument("--default-reasoning-effort", choices=EFFORT_VALUES, default=None,
+                   help="effort for requests that name none")
+    p.add_argument("--post-thinking", action="store_true",
+                   help="sample the answer of every thinking request with the post-thinking preset")
+    p.add_argument("--post-thinking-temperature", type=float, default=None)
+    p.add_argument("--post-thinking-top-p", type=float, default=None)
+    p.add_argument("--post-thinking-top-k", type=_positive(0), default=None)
+    p.add_argument("--post-thinking-sampler", type=_post_thinking_sampler, default=None,
+                   metavar="temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F]")
+
+
+def thinking_options_from_args(a: argparse.Namespace, no_thinking: bool) -> ThinkingOptions:
+    """Raises ValueError for a refused combination (--default-reasoning-effort with --no-thinking)."""
+    overrides = dict(getattr(a, "post_thinking_sampler", None) or {})
+    for flag, name in (("post_thinking_temperature", "temperature"), ("post_thinking_top_p", "top_p"),
+                       ("post_thinking_top_k", "top_k")):
+        if getattr(a, flag, None) is not None:
+            overrides[name] = getattr(a, flag)
+    t = overrides.get("temperature")
+    if t is not None and not 0 <= t <= 2:
+        raise ValueError(f"the post-thinking temperature must be in 0..2, got {t}")
+    effort = getattr(a, "default_reasoning_effort", None)
+    if effort not in (None, "none") and no_thinking:
+        raise ValueError(f"--default-reasoning-effort {effort} asks for thinking, which --no-thinking turns off")
+    return ThinkingOptions(
+        default_thinking_budget=getattr(a, "default_thinking_budget", None),
+        thinking_budget_message=getattr(a, "thinking_budget_message", None),
+        default_reasoning_effort=effort,
+        post_thinking=bool(getattr(a, "post_thinking", False) or overrides),
+        post_thinking_overrides=overrides,
+    )
+
+
 @dataclass
 class ServeOptions:
     artifact: str | None = None
@@ -71,6 +140,7 @@ class ServeOptions:
     lenient_assistant_history: bool = False
     plugins: list[str] = field(default_factory=list)
     engine: EngineOptions = field(default_factory=EngineOptions)
+    thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
 
 def _positive(lo: int, hi: int | None = None):
@@ -131,6 +201,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from ninfer_core.engine.cache_options import add_cache_arguments
 
     add_cache_arguments(p)
+    add_thinking_arguments(p)
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -155,5 +226,5 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         response_store_max_records=getattr(a, "response_store_max_records", 1024),
         response_store_max_mib=getattr(a, "response_store_max_mib", 256),
         lenient_assistant_history=getattr(a, "lenient_assistant_history", False),
-        engine=eng,
+        engine=eng, thinking=thinking_options_from_args(a, a.no_thinking),
     )
