@@ -1,0 +1,174 @@
+"""OpenAI legacy Completions, POST /v1/completions: fields, echo, usage, stream, refusals.
+
+Over a real Engine on the toy runner with the real Qwen3.5 tokenizer and forced outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_llamacpp_helpers import assert_error, assert_idle, qwen_tokenizer, raw_app, script, sse  # noqa: F401
+
+PROMPT = "Once upon a time"
+OUTPUT = " there was a llama."
+
+
+@pytest.fixture
+def app(raw_app):
+    return raw_app(policy=script({PROMPT: OUTPUT}))
+
+
+def post(client, **body):
+    body.setdefault("prompt", PROMPT)
+    return client.post("/v1/completions", json=body)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_text_completion_object(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    r = post(client)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"].startswith("req_")
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == "toy-model" and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": OUTPUT, "logprobs": None, "finish_reason": "stop"}]
+    n_prompt, n_out = len(tok.encode(PROMPT)), len(tok.encode(OUTPUT)) + 1  # the stop token counts
+    assert body["usage"] == usage_of(n_prompt, n_out)
+    assert body["timings"]["prompt_n"] == n_prompt and body["timings"]["predicted_n"] == n_out
+    assert_idle(engine)
+
+
+def test_echo_limits_and_stop(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    assert post(client, echo=True).json()["choices"][0]["text"] == PROMPT + OUTPUT
+    short = post(client, max_tokens=2).json()["choices"][0]
+    assert short["finish_reason"] == "length" and short["text"] == tok.decode(tok.encode(OUTPUT)[:2])
+    zero = post(client, max_tokens=0, echo=True).json()
+    assert zero["choices"][0]["text"] == PROMPT and zero["choices"][0]["finish_reason"] == "length"
+    assert zero["usage"]["completion_tokens"] == 0
+    assert post(client, max_tokens=-1).json()["choices"][0]["text"] == OUTPUT
+    stopped = post(client, stop=" a").json()["choices"][0]
+    assert stopped == {"index": 0, "text": " there was", "logprobs": None, "finish_reason": "stop"}
+    full = post(client, max_tokens=20, ignore_eos=True).json()
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 20
+    assert_idle(engine)
+
+
+def test_prompt_shapes(app):
+    client, _, engine, _ = app
+    ids = qwen_tokenizer().encode(PROMPT)
+    for prompt in (ids, [ids], [PROMPT], [ids[0], qwen_tokenizer().decode(ids[1:])]):
+        body = post(client, prompt=prompt, echo=True).json()
+        assert body["choices"][0]["text"] == PROMPT + OUTPUT, prompt
+    assert_error(post(client, prompt=[PROMPT, PROMPT]), 400, "multiple_prompts_not_supported", "prompt")
+    assert_error(post(client, prompt=[ids, ids]), 400, "multiple_prompts_not_supported", "prompt")
+    assert_idle(engine)
+
+
+def test_stream_with_usage(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    r = post(client, stream=True, echo=True, stream_options={"include_usage": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    *chunks, finish, usage = events[:-1]
+    assert chunks[0]["choices"][0]["text"] == PROMPT  # echo opens the stream
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + OUTPUT
+    assert all(c["usage"] is None and c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert all(c["object"] == "text_completion" and c["id"] == finish["id"] for c in chunks)
+    assert finish["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
+    assert "timings" not in finish
+    assert usage["choices"] == [] and usage["id"] == finish["id"]
+    assert usage["usage"] == usage_of(len(tok.encode(PROMPT)), len(tok.encode(OUTPUT)) + 1)
+    assert usage["timings"]["predicted_n"] == usage["usage"]["completion_tokens"]
+    assert_idle(engine)
+
+
+def test_stream_without_usage(app):
+    client, _, engine, _ = app
+    events = sse(post(client, stream=True, max_tokens=3).text)
+    assert events[-1] == "[DONE]"
+    finish = events[-2]
+    assert finish["choices"][0]["finish_reason"] == "length" and "usage" not in finish
+    assert finish["timings"]["predicted_n"] == 3
+    assert all("usage" not in e for e in events[:-1])
+    assert_idle(engine)
+
+
+def test_accepted_values(app):
+    client, _, engine, _ = app
+    ok = {"n": 1, "best_of": 1, "logprobs": 0, "suffix": "", "user": "u-1", "temperature": -0.5, "top_k": 0,
+          "seed": -1, "repeat_penalty": 1.0, "logit_bias": {"11": 0}, "cache_prompt": False,
+          "response_format": {"type": "text"}, "model": "toy-model", "unknown": [1]}
+    body = post(client, **ok).json()
+    assert body["choices"][0]["text"] == OUTPUT
+    assert post(client, suffix=None, logprobs=None).status_code == 200
+    assert_idle(engine)
+
+
+BAD = [
+    ({"n": 2}, 400, "n_not_supported", "n"),
+    ({"n": 0}, 400, "invalid_value", "n"),
+    ({"best_of": 3}, 400, "best_of_not_supported", "best_of"),
+    ({"best_of": 0}, 400, "invalid_value", "best_of"),
+    ({"logprobs": 2}, 400, "logprobs_not_supported", "logprobs"),
+    ({"logprobs": -1}, 400, "invalid_value", "logprobs"),
+    ({"logprobs": True}, 400, "invalid_type", "logprobs"),
+    ({"suffix": "}"}, 400, "suffix_not_supported", "suffix"),
+    ({"suffix": 3}, 400, "invalid_type", "suffix"),
+    ({"echo": "yes"}, 400, "invalid_type", "echo"),
+    ({"max_tokens": -2}, 400, "invalid_value", "max_tokens"),
+    ({"max_tokens": 1.5}, 400, "invalid_type", "max_tokens"),
+    ({"stream_options": {"include_usage": "y"}}, 400, "invalid_type", "stream_options.include_usage"),
+    ({"stream_options": 1}, 400, "invalid_type", "stream_options"),
+    ({"model": "gpt-3.5-turbo-instruct"}, 404, "model_not_found", "model"),
+    ({"prompt": None}, 400, "missing_required_parameter", "prompt"),
+    ({"prompt": ""}, 400, "invalid_value", "prompt"),
+    ({"stop": ["x"] * 33}, 400, "invalid_value", "stop"),
+    ({"tfs_z": 0.5}, 400, "tfs_z_not_supported", "tfs_z"),
+    ({"grammar": "root ::= x"}, 400, "grammar_not_supported", "grammar"),
+    ({"logit_bias": {"11": -100}}, 400, "logit_bias_not_supported", "logit_bias"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
+     "response_format_not_supported", "response_format"),
+    ({"top_p": 0}, 200, None, None),
+]
+
+
+@pytest.mark.parametrize("body,status,code,param", BAD)
+def test_refusals(app, body, status, code, param):
+    client, _, engine, _ = app
+    r = post(client, **body)
+    if status == 200:
+        assert r.status_code == 200, r.text
+    else:
+        assert_error(r, status, code, param)
+    assert post(client).json()["choices"][0]["text"] == OUTPUT  # still serves
+    assert_idle(engine)
+
+
+def test_stream_error_event(app):
+    client, _, engine, runner = app
+    runner.fail_if = lambda kind, views, tokens: kind == "decode"
+    events = sse(post(client, stream=True).text)
+    assert events[-1]["error"]["code"] == "server_error" and "[DONE]" not in events
+    assert_error(post(client), 500, "server_error", None, type_="server_error")
+    runner.fail_if = None
+    assert post(client).status_code == 200
+    assert_idle(engine)
+
+
+def test_kv_pool_refusals_name_the_raw_fields(raw_app):
+    client, _, engine, _ = raw_app(policy=script({PROMPT: OUTPUT}), engine_options={"kv_capacity": 256})
+    assert_error(post(client, max_tokens=1000), 400, "context_length_exceeded", "max_tokens")
+    r = client.post("/completion", json={"prompt": PROMPT, "n_predict": 1000})
+    assert_error(r, 400, "context_length_exceeded", "n_predict")
+    assert_error(post(client, prompt=[11] * 300), 400, "context_length_exceeded", "prompt")
+    assert post(client, max_tokens=100).json()["choices"][0]["text"] == OUTPUT
+    assert_idle(engine)
