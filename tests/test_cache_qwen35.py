@@ -1,0 +1,174 @@
+"""Exactness of prefix reuse with the real Qwen3.5 CPU model (tiny random artifact).
+
+Greedy output of a turn served from each checkpoint kind equals the same prompt served from root
+by a root-only engine over the same weights; chat prompts are rendered by the project's template so
+the engine derives the turn closure, message boundaries and stable prefix itself. Every test ends
+with the pool accounting audited and back to idle once the catalog is cleared.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ninfer_qwen35")
+
+from ninfer_core.artifact import Artifact  # noqa: E402
+from ninfer_core.config import EngineOptions  # noqa: E402
+from ninfer_core.engine.api import GenerationRequest, SamplingParams  # noqa: E402
+from ninfer_core.engine.checkpoints import CheckpointHints  # noqa: E402
+from ninfer_core.engine.engine import Engine  # noqa: E402
+from ninfer_core.testing import collect, run_async  # noqa: E402
+from ninfer_core.tokenizer import Tokenizer  # noqa: E402
+from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+TEMPLATE = ChatTemplate(QWEN35_TEMPLATE)
+SYSTEM = "You are a careful assistant. Answer briefly and cite the tool output when you use it."
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from ninfer_qwen35.family import Qwen35Family
+    from ninfer_qwen35.testing import build_tiny_artifact, minimal_tokenizer_section
+
+    section = minimal_tokenizer_section()
+    path = build_tiny_artifact(tmp_path_factory.mktemp("cache") / "tiny.ninfer", seed=5,
+                               tokenizer_section=section)
+    art = Artifact.open(path)
+    return art, Qwen35Family(), Tokenizer.from_section(section)
+
+
+_engines: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown():
+    yield
+    while _engines:
+        _engines.pop().shutdown(timeout=60)
+
+
+def engine(model, reuse=True, **opts) -> Engine:
+    art, fam, tok = model
+    eng = Engine(fam.load(art), tok, EngineOptions(**{"max_context": 2048, "prefill_chunk": 64,
+                                                       "prefix_reuse": reuse, **opts}))
+    _engines.append(eng)
+    eng.start()
+    return eng
+
+
+def run(eng, prompt, hints=None, max_tokens=8):
+    async def go():
+        return await collect(eng.submit(GenerationRequest(prompt_ids=list(prompt), sampling=GREEDY,
+                                                          max_tokens=max_tokens, checkpoint_hints=hints)))
+
+    out = run_async(go(), timeout=300)
+    assert out.finish is not None, out.events
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(model):
+    """root(prompt) -> greedy output ids of a root-only engine (memoised)."""
+    eng = engine(model, reuse=False)
+    _engines.remove(eng)  # module-scoped: outlives the per-test shutdown
+    memo: dict = {}
+
+    def serve(prompt, max_tokens=8):
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            memo[key] = run(eng, prompt, max_tokens=max_tokens).token_ids
+        return memo[key]
+
+    yield serve
+    eng.shutdown(timeout=60)
+
+
+def chat(tok, messages) -> list[int]:
+    return tok.encode(TEMPLATE.render(messages, add_generation_prompt=True, enable_thinking=False))
+
+
+def source_delta(eng, before):
+    now = eng.snapshot()["context_cache"]["selections"]
+    changed = [k for k in now if now[k] != before[k]]
+    assert len(changed) == 1, (before, now)
+    return changed[0]
+
+
+def sel(eng):
+    return dict(eng.snapshot()["context_cache"]["selections"])
+
+
+def idle(eng):
+    with eng._cv:
+        eng.cache.audit([])
+    eng.run_control(eng.cache.clear).result(60)
+    snap = eng.snapshot()
+    assert snap["pages_free"] == snap["pages_total"] and snap["slots_free"] == snap["slots_total"]
+    cc = snap["context_cache"]
+    assert cc["device_state_slots_used"] == cc["host_state_slots_used"] == cc["checkpoints"] == 0
+
+
+def test_every_checkpoint_kind_matches_root(model, root):
+    tok = model[2]
+    eng = engine(model)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a paged KV cache?"}]
+    p1 = chat(tok, msgs)
+    o1 = run(eng, p1)
+    assert o1.token_ids == root(p1)
+
+    # private_endpoint: the next turn appends to the exact executed tokens.
+    p2 = p1 + o1.token_ids + chat(tok, [{"role": "user", "content": "And a state slot?"}])[-40:]
+    s = sel(eng)
+    o2 = run(eng, p2)
+    assert source_delta(eng, s) == "private_endpoint"
+    assert o2.finish.usage.cached_tokens == len(p1) + len(o1.token_ids) - 1
+    assert o2.token_ids == root(p2)
+
+    # private_turn_closure: regenerate the first reply (same prompt).
+    s = sel(eng)
+    o1b = run(eng, p1)
+    assert source_delta(eng, s) == "private_turn_closure"
+    assert o1b.token_ids == o1.token_ids
+
+    # private_long_anchor: the endpoint kept as an endpoint anchor, then a different reply to it.
+    p3 = p1 + o1.token_ids[:-1] + chat(tok, [{"role": "user", "content": "x"}])[-12:]
+    s = sel(eng)
+    o3 = run(eng, p3)
+    assert source_delta(eng, s) in ("private_long_anchor", "private_endpoint")
+    assert o3.token_ids == root(p3)
+
+    # shared_stable_prefix: two more conversations over the same system prompt.
+    q1 = chat(tok, [msgs[0], {"role": "user", "content": "Define recurrent state."}])
+    q2 = chat(tok, [msgs[0], {"role": "user", "content": "Define prefix reuse, please."}])
+    run(eng, q1)  # second sighting of the system prompt: captured and published
+    s = sel(eng)
+    o_q2 = run(eng, q2)
+    assert source_delta(eng, s) == "shared_stable_prefix"
+    assert o_q2.token_ids == root(q2)
+    idle(eng)
+
+
+def test_marker_anchor_and_host_tier_match_root(model, root):
+    tok = model[2]
+    eng = engine(model, device_state_slots=1, host_state_slots=16, max_private_continuations=6)
+    base = chat(tok, [{"role": "user", "content": "Summarise the design of a checkpoint catalog " * 3}])
+    mark = len(base) // 2
+    run(eng, base, hints=CheckpointHints(markers=[mark]))
+    p = base[:mark] + tok.encode(" then rewrite history")
+    s = sel(eng)
+    o = run(eng, p, hints=CheckpointHints())
+    assert source_delta(eng, s) == "private_long_anchor"
+    assert o.finish.usage.cached_tokens == mark
+    assert o.token_ids == root(p)
+    # More conversations than Device slots: images are demoted to Host and restored from there.
+    convs = [chat(tok, [{"role": "user", "content": f"Question number {i} about caches?"}]) for i in range(3)]
+    outs = [run(eng, c) for c in convs]
+    assert eng.snapshot()["context_cache"]["host_state_slots_used"] > 0
+    for c, o in zip(convs, outs):
+        nxt = c + o.token_ids + tok.encode(" more")
+        s = sel(eng)
+        assert run(eng, nxt).token_ids == root(nxt)
+        assert source_delta(eng, s) == "private_endpoint"
+    assert eng.snapshot()["context_cache"]["transfer_bytes"]["state_h2d"] > 0
+    idle(eng)
