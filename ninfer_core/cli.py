@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--verify", action="store_true", help="check every tensor's CRC32 (reads the whole file)")
     i.add_argument("--no-progress", action="store_true")
 
+    b = sub.add_parser("bench", help="measure prefill/decode speed against the card's ceilings and transformers",
+                       description="Build a model at a real shape with random weights on the GPU (or load an "
+                                   "artifact) and print one table of measured rates, ratios and ceilings.")
+    from ninfer_core.bench.run import add_bench_arguments
+
+    add_bench_arguments(b)
+
     pl = sub.add_parser("plugins", help="list discovered plugins and what they register")
     pl.add_argument("--plugin", action="append", default=[], metavar="NAME")
     return p
@@ -68,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_inspect(a)
     if a.command == "plugins":
         return _cmd_plugins(a)
+    if a.command == "bench":
+        from ninfer_core.bench.run import run_bench
+
+        return run_bench(a)
     return 2
 
 

@@ -93,6 +93,11 @@ class Qwen35Family(ModelFamily):
 
         from ninfer_qwen35.gpu.random_model import RandomArtifact
 
+        from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE
+        from ninfer_qwen35.testing import minimal_tokenizer_section
+
+        kw.setdefault("tokenizer_section", minimal_tokenizer_section())
+        kw.setdefault("chat_template", QWEN35_TEMPLATE)
         dev = torch.device(device)
         return RandomArtifact(hf_config, device=dev, dtype=resolve_dtype(None, dev), seed=seed, **kw)
 

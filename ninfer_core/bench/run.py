@@ -1,0 +1,548 @@
+"""`ninfer bench`: one run that measures the card's ceilings, NInfer's prefill / decode / TTFT,
+transformers on the same weight tensors, the ratios between them, and the HTTP server's cost.
+
+Every figure is measured in this run on this device; ratios compare figures of the same run.
+Timings synchronise the device before reading the host clock, after warm-up runs (kernel
+compilation, autotuning and CUDA-Graph capture stay out of the numbers), and report medians.
+Decode steps include what the engine does per round: the forward, sampling on the device and
+reading back only the sampled token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("ninfer.bench")
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()] if s.strip() else []
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"values must be >= 0, got {s!r}")
+    return vals
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from ninfer_core.bench.shapes import SHAPES
+
+    p.add_argument("--shape", default="qwen3.5-9b",
+                   help=f"model shape: {', '.join(SHAPES)} (random weights made on the device, nothing "
+                        "written), or the path of a .ninfer artifact (its weights)")
+    p.add_argument("--device", default="cuda", help="torch device (cuda, cuda:N; cpu only for smoke runs)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--prefill-lens", type=_ints, default=[512, 4096, 16384],
+                   help="prompt lengths whose prefill rate is measured (one chunk each)")
+    p.add_argument("--decode-batches", type=_ints, default=[1, 4, 8], help="decode batch widths (1..8)")
+    p.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens per lane before decode")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per batch width")
+    p.add_argument("--long-context", type=int, default=32768,
+                   help="decode at batch 1 after this many context tokens (0 skips)")
+    p.add_argument("--long-chunk", type=int, default=8192, help="prefill chunk used to fill the long context")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per prefill length (median)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of through CUDA Graphs")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--hf-prefill-lens", type=_ints, default=[4096], help="transformers prefill lengths")
+    p.add_argument("--hf-decode-batches", type=_ints, default=[1, 8], help="transformers decode batch widths")
+    p.add_argument("--hf-decode-steps", type=int, default=8, help="transformers timed decode steps")
+    p.add_argument("--http-clients", type=_ints, default=[1, 8],
+                   help="streaming client counts for the HTTP comparison (empty skips it)")
+    p.add_argument("--http-tokens", type=int, default=128, help="tokens each HTTP/engine request generates")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON here")
+    p.add_argument("--plugin", action="append", default=[], metavar="NAME",
+                   help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
+
+
+# ---- timing --------------------------------------------------------------------------------------
+def _sync(torch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(torch, device, fn, repeats: int) -> float:
+    """Median wall seconds of fn() over `repeats` runs, device synchronised around each."""
+    out = []
+    for _ in range(max(1, repeats)):
+        _sync(torch, device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(torch, device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def measure_ceilings(torch, device) -> dict:
+    """Device copy bandwidth (bytes read + written per second) and the bf16 matmul rate."""
+    cuda = device.type == "cuda"
+    n_bytes = (2 << 30) if cuda else (64 << 20)
+    a = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = _timed(torch, device, lambda: [b.copy_(a) for _ in range(10)], 5) / 10
+    bw = 2 * n_bytes / t
+    del a, b
+    n = 8192 if cuda else 512
+    dt = torch.bfloat16 if cuda else torch.float32
+    xs = [torch.randn(n, n, device=device, dtype=dt) for _ in range(3)]
+    out = torch.empty(n, n, device=device, dtype=dt)
+    torch.matmul(xs[0], xs[1], out=out)
+    t = _timed(torch, device, lambda: [torch.matmul(xs[i % 3], xs[(i + 1) % 3], out=out) for i in range(10)], 5) / 10
+    return {"copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": 2 * n**3 / t / 1e12}
+
+
+# ---- model facts -----------------------------------------------------------------------------------
+def weight_facts(runner) -> dict:
+    """Bytes one decode step reads (all weights but the embedding table; routed experts scaled to
+    the share a step touches) and matmul FLOPs per prefill token (layer projections)."""
+    model = runner.model
+    cfg = runner.cfg
+    emb = model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    seen, total, expert_bytes, matmul_params = set(), 0, 0, 0
+    for name, p in model.named_parameters():
+        key = (p.data_ptr(), tuple(p.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        nbytes = p.numel() * p.element_size()
+        if name == "embed_tokens.weight" and not tied:
+            continue
+        if ".experts." in name:
+            expert_bytes += nbytes
+        else:
+            total += nbytes
+        if name.startswith("layers.") and p.dim() >= 2 and "conv1d" not in name:
+            if ".experts." in name:
+                matmul_params += p.numel() * cfg.num_experts_per_tok / max(1, cfg.num_experts)
+            elif name.endswith("mlp.gate.weight"):
+                matmul_params += p.numel()
+            else:
+                matmul_params += p.numel()
+    return {
+        "dense_bytes": total,
+        "expert_bytes": expert_bytes,
+        "experts": cfg.num_experts,
+        "top_k": cfg.num_experts_per_tok,
+        "matmul_flops_per_token": 2 * matmul_params,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def step_bytes(facts: dict, spec, batch: int, context: int) -> float:
+    """Bytes one decode step of `batch` lanes at `context` tokens must move."""
+    w = facts["dense_bytes"]
+    if facts["expert_bytes"]:
+        touched = min(facts["experts"], facts["top_k"] * batch) / facts["experts"]
+        w += facts["expert_bytes"] * touched
+    per_lane = 2 * spec.state_bytes + context * spec.kv_bytes_per_token
+    return w + batch * per_lane
+
+
+# ---- NInfer measurements ----------------------------------------------------------------------------
+class Lanes:
+    """Sequences over disjoint pages and slots of the runner's pool (as the engine hands them out)."""
+
+    def __init__(self, runner, pages_per_lane: int):
+        self.runner, self.ppl = runner, pages_per_lane
+
+    def views(self, n: int):
+        from ninfer_core.engine.model_api import SeqView
+
+        out = []
+        for i in range(n):
+            self.runner.reset_slot(i)
+            out.append(SeqView(slot=i, pages=list(range(i * self.ppl, (i + 1) * self.ppl)), num_cached=0))
+        return out
+
+
+def _prompt(torch, n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _prefill(runner, view, tokens: list[int], chunk: int | None = None):
+    chunk = chunk or len(tokens)
+    logits = None
+    for i in range(0, len(tokens), chunk):
+        part = tokens[i : i + chunk]
+        logits = runner.prefill(view, part)
+        view.num_cached += len(part)
+    return logits
+
+
+def ninfer_prefill(torch, runner, lanes, lens, vocab, repeats, seed) -> dict:
+    dev = runner.device
+    out = {}
+    for n in lens:
+        toks = _prompt(torch, n, vocab, seed + n)
+
+        def once():
+            (v,) = lanes.views(1)
+            _prefill(runner, v, toks)
+
+        once()  # warm-up: compilation and autotuning at this length
+        t = _timed(torch, dev, once, repeats)
+
+        def ttft():
+            (v,) = lanes.views(1)
+            logits = _prefill(runner, v, toks)
+            return int(logits.argmax())
+
+        t_first = _timed(torch, dev, ttft, repeats)
+        out[n] = {"tok_s": n / t, "seconds": t, "ttft_ms": t_first * 1e3}
+    return out
+
+
+def ninfer_decode(torch, runner, lanes, batch, prompt_len, steps, vocab, seed, context_chunk=None) -> dict:
+    dev = runner.device
+    views = lanes.views(batch)
+    for i, v in enumerate(views):
+        _prefill(runner, v, _prompt(torch, prompt_len, vocab, seed + 100 + i), context_chunk)
+    toks = [1 + i for i in range(batch)]
+
+    def step():
+        nonlocal toks
+        logits = runner.decode(views, toks)
+        toks = logits.argmax(dim=-1).tolist()  # sampling on the device; only the ids come back
+        for v in views:
+            v.num_cached += 1
+
+    for _ in range(3):  # warm-up (captures this width's graph)
+        step()
+    _sync(torch, dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(torch, dev)
+    t = time.perf_counter() - t0
+    return {"per_seq_tok_s": steps / t, "total_tok_s": batch * steps / t, "step_ms": t / steps * 1e3,
+            "context": prompt_len + 3 + steps // 2}
+
+
+# ---- transformers -------------------------------------------------------------------------------------
+def hf_figures(torch, hf, runner, args, vocab) -> dict:
+    dev = runner.device
+    res: dict[str, Any] = {"prefill": {}, "decode": {}}
+    layer0 = hf.model.layers[0]
+    lin = getattr(layer0, "linear_attn", None)
+    fn = getattr(lin, "chunk_gated_delta_rule", None)
+    res["gdn_kernel"] = getattr(fn, "__module__", "?") if fn is not None else "?"
+    with torch.inference_mode():
+        for n in args.hf_prefill_lens:
+            ids = torch.tensor([_prompt(torch, n, vocab, args.seed + n)], device=dev)
+
+            def once():
+                hf(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+            once()
+            t = _timed(torch, dev, once, max(1, args.repeats - 1))
+            res["prefill"][n] = {"tok_s": n / t, "ttft_ms": t * 1e3}
+        for b in args.hf_decode_batches:
+            ids = torch.tensor([_prompt(torch, args.decode_prompt, vocab, args.seed + 100 + i) for i in range(b)],
+                               device=dev)
+            out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1)
+
+            def step():
+                nonlocal out, nxt
+                out = hf(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1)
+                nxt.tolist()
+
+            step()
+            _sync(torch, dev)
+            t0 = time.perf_counter()
+            for _ in range(args.hf_decode_steps):
+                step()
+            _sync(torch, dev)
+            t = time.perf_counter() - t0
+            res["decode"][b] = {"per_seq_tok_s": args.hf_decode_steps / t,
+                                "total_tok_s": b * args.hf_decode_steps / t}
+            del out, cache
+    return res
+
+
+# ---- HTTP vs the bare engine ---------------------------------------------------------------------------
+def http_vs_engine(runner, family, art, host, args, device) -> dict:
+    """The same streaming chat requests through the real FastAPI/uvicorn server (httpx clients on
+    loopback) and straight into the engine; total generated tokens over wall time for each."""
+    import httpx
+    import uvicorn
+
+    from ninfer_core.config import EngineOptions, ServeOptions
+    from ninfer_core.engine.api import GenerationRequest, SamplingParams
+    from ninfer_core.engine.engine import Engine
+    from ninfer_core.server.app import create_app
+    from ninfer_core.server.context import ServedModel, ServerContext
+    from ninfer_core.server.prepare import default_sampling_presets
+    from ninfer_core.server.serve import bind_socket
+    from ninfer_core.tokenizer import Tokenizer
+    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+
+    tok = Tokenizer.from_section(art.tokenizer_section)
+    template = ChatTemplate(art.chat_template or QWEN35_TEMPLATE)
+    clients = max(args.http_clients)
+    messages = [{"role": "user", "content": "Benchmark prompt number {i}: say anything."}]
+    prompt_len = len(tok.encode(template.render(messages)))
+    eng_opts = EngineOptions(max_context=prompt_len + args.http_tokens + 64, max_concurrency=clients,
+                             prefill_chunk=1024, device=str(device), cuda_graph=not args.no_cuda_graph)
+    runner.cache = None
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    engine = Engine(runner, tok, eng_opts)
+    engine.start()
+    ctx = ServerContext(options=ServeOptions(engine=eng_opts, log_level="warning"), plugins=host)
+    ctx.model = ServedModel(id="bench", artifact_path=art.path, architecture=art.architecture,
+                            max_model_len=eng_opts.max_context, n_vocab=tok.vocab_size)
+    ctx.tokenizer, ctx.chat_template, ctx.engine = tok, template, engine
+    ctx.sampling_presets = default_sampling_presets(art.architecture, family)
+    ctx.mark_ready()
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    def msgs(i):
+        return [{"role": "user", "content": f"Benchmark prompt number {i}: say anything."}]
+
+    async def one_http(client, i):
+        body = {"model": "bench", "messages": msgs(i), "max_tokens": args.http_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True}
+        used = None
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        used = chunk["usage"]["completion_tokens"]
+        return used or 0
+
+    async def one_engine(i):
+        ids = tok.encode(template.render(msgs(i)))
+        req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(greedy=True, temperature=0.0),
+                                max_tokens=args.http_tokens, ignore_eos=True, request_id=f"bench-{i}")
+        n = 0
+        async for ev in engine.submit(req).events():
+            if ev.kind == "error":
+                raise RuntimeError(ev.error.message)
+            if ev.kind == "finish":
+                n = ev.usage.completion_tokens if ev.usage else n
+        return n
+
+    async def http_round(k):
+        async with httpx.AsyncClient(timeout=600) as client:
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(one_http(client, i) for i in range(k)))
+            return sum(counts), time.perf_counter() - t0
+
+    async def engine_round(k):
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one_engine(i) for i in range(k)))
+        return sum(counts), time.perf_counter() - t0
+
+    out = {}
+    try:
+        for k in args.http_clients:
+            asyncio.run(engine_round(k))  # warm-up (graphs of this width)
+            n_e, t_e = asyncio.run(engine_round(k))
+            n_h, t_h = asyncio.run(http_round(k))
+            out[k] = {"engine_tok_s": n_e / t_e, "http_tok_s": n_h / t_h, "ratio": (n_h / t_h) / (n_e / t_e),
+                      "tokens": n_h, "engine_tokens": n_e}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+        snap = engine.snapshot() if hasattr(engine, "snapshot") else {}
+        out["idle_after"] = snap
+    return out
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+def _fmt(v, nd=1):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{nd}f}"
+    return str(v)
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    import torch
+
+    from ninfer_core.bench.shapes import SHAPES
+    from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
+
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible (use --device cpu for a smoke run)",
+              file=sys.stderr)
+        return 1
+    if any(b < 1 or b > 8 for b in a.decode_batches + a.hf_decode_batches + a.http_clients):
+        print("error: batch widths and client counts must be 1..8", file=sys.stderr)
+        return 1
+    host = PluginHost(PluginSelection.from_sources(a.plugin))
+    try:
+        host.load()
+    except PluginError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    if a.shape in SHAPES:
+        hf_config = SHAPES[a.shape]
+        arch = hf_config["model_type"]
+    else:
+        from ninfer_core.artifact import Artifact, ArtifactError
+
+        try:
+            art = Artifact.open(a.shape)
+        except (ArtifactError, OSError) as e:
+            print(f"error: --shape is neither a known shape ({', '.join(SHAPES)}) nor a readable artifact: {e}",
+                  file=sys.stderr)
+            return 1
+        hf_config, arch = art.config, art.architecture
+    try:
+        reg = host.family_for_architecture(arch)
+    except PluginError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    target = reg.load()
+    family = target() if isinstance(target, type) else target
+    if a.shape in SHAPES:
+        if not hasattr(family, "random_artifact"):
+            print(f"error: model family {reg.name!r} cannot build random weights", file=sys.stderr)
+            return 1
+        art = family.random_artifact(hf_config, device=str(device), seed=a.seed)
+
+    res: dict[str, Any] = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else "cpu", "torch": torch.__version__, "cuda_graph": not a.no_cuda_graph}
+    t0 = time.perf_counter()
+    res["ceilings"] = ceil = measure_ceilings(torch, device)
+    print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:,.0f} GB/s, matmul {ceil['matmul_TFLOPs']:,.1f} TFLOP/s",
+          flush=True)
+    runner = family.load(art, device=str(device))
+    if hasattr(runner, "configure"):
+        runner.configure(cuda_graph=not a.no_cuda_graph)
+    print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
+    spec = runner.cache_spec()
+    facts = weight_facts(runner)
+    res["model"] = {k: v for k, v in facts.items()}
+    vocab = min(runner.info.vocab_size, 240000)
+    steps = a.decode_steps
+    max_decode_b = max(a.decode_batches or [1])
+    ps = 64
+    ppl = -(-(a.decode_prompt + steps + 8) // ps)
+    long_pages = -(-(max(a.long_context, max(a.prefill_lens or [0])) + steps + 8) // ps)
+    pages = max(max_decode_b * ppl, long_pages) + 1
+    runner.allocate_cache(pages, max(8, max_decode_b))
+    lanes = Lanes(runner, ppl)
+    long_lanes = Lanes(runner, long_pages)
+
+    bw = ceil["copy_bandwidth_GBps"] * 1e9
+    mm_tok_s = ceil["matmul_TFLOPs"] * 1e12 / facts["matmul_flops_per_token"]
+    pre = ninfer_prefill(torch, runner, long_lanes, a.prefill_lens, vocab, a.repeats, a.seed)
+    res["prefill"] = {n: dict(v, vs_matmul=v["tok_s"] / mm_tok_s) for n, v in pre.items()}
+    res["matmul_only_prefill_tok_s"] = mm_tok_s
+    print("prefill:", {n: round(v["tok_s"]) for n, v in pre.items()}, flush=True)
+    dec = {}
+    for b in a.decode_batches:
+        d = ninfer_decode(torch, runner, lanes, b, a.decode_prompt, steps, vocab, a.seed)
+        floor = b * bw / step_bytes(facts, spec, b, d["context"])
+        dec[b] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
+        print(f"decode b={b}: {d['total_tok_s']:,.1f} tok/s total", flush=True)
+    res["decode"] = dec
+    if a.long_context:
+        d = ninfer_decode(torch, runner, long_lanes, 1, a.long_context, steps, vocab, a.seed, a.long_chunk)
+        floor = bw / step_bytes(facts, spec, 1, d["context"])
+        res["decode_long"] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
+        print(f"decode after {a.long_context}: {d['total_tok_s']:,.1f} tok/s", flush=True)
+
+    if not a.no_hf and hasattr(family, "transformers_model"):
+        try:
+            hf = family.transformers_model(runner, hf_config)
+            res["transformers"] = hf_figures(torch, hf, runner, a, vocab)
+            del hf
+        except Exception as e:  # noqa: BLE001 - the comparison is reported as missing, the run goes on
+            res["transformers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if a.http_clients:
+        try:
+            res["http"] = http_vs_engine(runner, family, art, host, a, device)
+        except Exception as e:  # noqa: BLE001
+            res["http"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    table = render_table(res)
+    print(table, flush=True)
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def render_table(res: dict) -> str:
+    hf = res.get("transformers") or {}
+    hf_pre, hf_dec = hf.get("prefill", {}), hf.get("decode", {})
+    rows = [("figure", "NInfer", "transformers", "NInfer/tf", "vs ceiling")]
+    for n, v in res.get("prefill", {}).items():
+        h = hf_pre.get(n, {}).get("tok_s")
+        rows.append((f"prefill {n} tok/s", _fmt(v["tok_s"], 0), _fmt(h, 0),
+                     _fmt(v["tok_s"] / h, 2) if h else "-", f"{v['vs_matmul']:.2f} of matmul-only"))
+    for n, v in res.get("prefill", {}).items():
+        h = hf_pre.get(n, {}).get("ttft_ms")
+        rows.append((f"TTFT {n} ms", _fmt(v["ttft_ms"], 1), _fmt(h, 1), _fmt(h / v["ttft_ms"], 2) if h else "-", ""))
+    for b, v in res.get("decode", {}).items():
+        h = hf_dec.get(b, {})
+        rows.append((f"decode b={b} tok/s/seq", _fmt(v["per_seq_tok_s"]), _fmt(h.get("per_seq_tok_s")), "", ""))
+        ht = h.get("total_tok_s")
+        rows.append((f"decode b={b} tok/s total", _fmt(v["total_tok_s"]), _fmt(ht),
+                     _fmt(v["total_tok_s"] / ht, 2) if ht else "-",
+                     f"{v['vs_floor']:.2f} of floor {v['floor_total_tok_s']:,.0f}"))
+    dec = res.get("decode", {})
+    if 1 in dec and 8 in dec:
+        rows.append(("decode b=8 / b=1 total", _fmt(dec[8]["total_tok_s"] / dec[1]["total_tok_s"], 2), "", "", ""))
+    if "decode_long" in res:
+        v = res["decode_long"]
+        rows.append((f"decode b=1 after {v['context']} tok/s", _fmt(v["total_tok_s"]), "", "",
+                     f"{v['vs_floor']:.2f} of floor {v['floor_total_tok_s']:,.0f}"))
+    http = res.get("http") or {}
+    for k, v in http.items():
+        if isinstance(k, int) or str(k).isdigit():
+            rows.append((f"HTTP {k} streams tok/s", _fmt(v["http_tok_s"]), f"engine {_fmt(v['engine_tok_s'])}",
+                         "", f"{v['ratio']:.2f} of bare engine"))
+    c = res.get("ceilings", {})
+    head = (f"ninfer bench  shape={res.get('shape')}  device={res.get('device')}  torch={res.get('torch')}  "
+            f"cuda_graph={res.get('cuda_graph')}\n"
+            f"ceilings: copy {c.get('copy_bandwidth_GBps', 0):,.0f} GB/s (read+write), bf16 matmul "
+            f"{c.get('matmul_TFLOPs', 0):,.1f} TFLOP/s; matmul-only prefill "
+            f"{res.get('matmul_only_prefill_tok_s', 0):,.0f} tok/s\n")
+    widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
+    lines = ["  ".join(str(r[i]).ljust(widths[i]) for i in range(5)).rstrip() for r in rows]
+    tail = []
+    if "error" in hf:
+        tail.append(f"transformers: {hf['error']}")
+    elif hf:
+        tail.append(f"transformers GDN kernel: {hf.get('gdn_kernel')}")
+    if "error" in http:
+        tail.append(f"HTTP: {http['error']}")
+    return head + "\n".join(lines) + ("\n" + "\n".join(tail) if tail else "")
