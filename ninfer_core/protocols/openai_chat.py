@@ -2,13 +2,14 @@
 
 The adapter validates the request (openai_models + openai_chat_request), renders the prompt on a
 worker thread, submits a GenerationRequest through the engine-client interface and turns engine
-events into a chat.completion object or an SSE stream. Tool definitions are rendered into the
-prompt; parsing generated tool calls back into `tool_calls` arrives with a later issue, so until
-then a call the model writes is returned as content text.
+events into a chat.completion object or an SSE stream. Generated text goes through the shared
+OutputDecoder (reasoning_content, content, tool_calls); log probabilities through LogprobChannel.
+A forced tool call (tool_choice naming a tool) ends the prompt with that call's opener.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -24,12 +25,16 @@ from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
 from ninfer_core.protocols.openai_chat_request import ChatPlan, validate_body
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import engine_error_body
+from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
 from ninfer_core.server.prepare import (
     PreparedPrompt,
     ReasoningTokenCounter,
     derived_output_limit,
+    forced_call_ids,
+    forced_call_opener,
     render_prompt_ids,
     resolve_sampling,
+    thinking_fields,
 )
 from ninfer_core.server.sse import (
     DONE,
@@ -89,6 +94,11 @@ class ChatCompletions:
         try:
             prompt: PreparedPrompt = await anyio.to_thread.run_sync(
                 render_prompt_ids, ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs)
+            opener = None
+            if plan.forced_tool is not None:
+                opener = forced_call_opener(plan.forced_tool)
+                prompt = PreparedPrompt(ids=prompt.ids + forced_call_ids(ctx.tokenizer, plan.forced_tool),
+                                        opens_reasoning=False)
             sampling = resolve_sampling(ctx, plan.thinking, plan.sampling_request, plan.seed)
             max_tokens = plan.max_tokens
             if plan.derived_limit:
@@ -96,7 +106,9 @@ class ChatCompletions:
             gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=max_tokens,
                                     stop=plan.stop, ignore_eos=plan.ignore_eos,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
-                                    deadline=deadline)
+                                    deadline=deadline, logprobs=plan.logprobs,
+                                    **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
+                                                      sampling))
             handle = ctx.engine.submit(gen)
         except BaseException:
             release()
@@ -104,79 +116,84 @@ class ChatCompletions:
         cid = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
         model_id = ctx.model.id
+        out = _Output(ctx, plan, prompt, opener)
         if plan.stream:
-            body = self._stream(ctx, handle, plan, prompt, cid, created, model_id)
+            body = self._stream(ctx, handle, plan, out, cid, created, model_id)
             return EventStreamResponse(body, on_disconnect=handle.cancel, on_close=release)
         try:
             result = await unless_disconnected(
-                request, self._aggregate(ctx, handle, prompt, cid, created, model_id), handle.cancel)
+                request, self._aggregate(handle, plan, out, cid, created, model_id), handle.cancel)
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
             release()
         return JSONResponse(result)
 
-    async def _aggregate(self, ctx: ServerContext, handle, prompt: PreparedPrompt, cid: str, created: int,
+    async def _aggregate(self, handle, plan: ChatPlan, out: "_Output", cid: str, created: int,
                          model_id: str) -> dict:
-        from ninfer_core.tokenizer.reasoning import ReasoningSplitter
-
-        splitter = ReasoningSplitter(prompt.opens_reasoning)
-        counter = ReasoningTokenCounter(ctx.tokenizer, prompt.opens_reasoning)
-        parts = {"reasoning": [], "content": []}
+        records: list[dict] = []
         async for ev in handle.events():
             if ev.kind == "delta":
-                counter.feed(ev.token_ids)
-                for kind, text in splitter.feed(ev.text):
-                    parts[kind].append(text)
+                out.counter.feed(ev.token_ids)
+                records += out.records(ev)
+                out.decoder.feed(ev.text)
             elif ev.kind == "error":
                 raise ev.error
             elif ev.kind == "finish":
                 if ev.finish_reason == "cancelled":
                     raise _cancelled_error()
-                for kind, text in splitter.finish():
-                    parts[kind].append(text)
-                reasoning = "".join(parts["reasoning"])
-                message = {"role": "assistant", "content": "".join(parts["content"]),
-                           "reasoning_content": reasoning if (reasoning or prompt.opens_reasoning) else None,
+                out.decoder.finish()
+                out.log_parse()
+                dec = out.decoder
+                calls = [out.call_json(c) for c in dec.tool_calls]
+                reasoning = dec.reasoning
+                message = {"role": "assistant", "content": dec.content if (dec.content or not calls) else None,
+                           "reasoning_content": reasoning if (reasoning or out.prompt.opens_reasoning) else None,
                            "refusal": None}
-                out = {"id": cid, "object": "chat.completion", "created": created, "model": model_id,
-                       "choices": [{"index": 0, "message": message, "logprobs": None,
-                                    "finish_reason": ev.finish_reason}],
-                       "usage": usage_dict(ev, counter.count)}
-                out["timings"] = ev.timings or {}
-                return out
+                if calls:
+                    message["tool_calls"] = calls
+                logprobs = {"content": records, "refusal": None} if plan.logprobs is not None else None
+                finish = "tool_calls" if calls else ev.finish_reason
+                result = {"id": cid, "object": "chat.completion", "created": created, "model": model_id,
+                          "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                                       "finish_reason": finish}],
+                          "usage": usage_dict(ev, out.counter.count)}
+                result["timings"] = ev.timings or {}
+                return result
         raise EngineError(500, "internal_error", "The engine ended the request without finishing it.",
                           type_="server_error")
 
-    async def _stream(self, ctx: ServerContext, handle, plan: ChatPlan, prompt: PreparedPrompt, cid: str,
+    async def _stream(self, ctx: ServerContext, handle, plan: ChatPlan, out: "_Output", cid: str,
                       created: int, model_id: str) -> AsyncIterator[str]:
-        from ninfer_core.tokenizer.reasoning import ReasoningSplitter
-
-        splitter = ReasoningSplitter(prompt.opens_reasoning)
-        counter = ReasoningTokenCounter(ctx.tokenizer, prompt.opens_reasoning)
         include_usage = plan.include_usage
+        want_logprobs = plan.logprobs is not None
+        pending: list[dict] = []  # records whose text is not yet published (held back by the decoder)
+        n_calls = 0
 
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        def chunk(delta: dict, finish: str | None = None, records: list | None = None, **extra) -> str:
+            lp = {"content": records, "refusal": None} if (want_logprobs and records is not None) else None
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                   "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
             if include_usage:
                 obj["usage"] = None
             obj.update(extra)
             return sse_data(obj)
 
-        def deltas(pieces: list[tuple[str, str]]) -> list[str]:
-            out: list[str] = []
-            merged: list[list] = []
-            for kind, text in pieces:
-                if not text:
-                    continue
-                if merged and merged[-1][0] == kind:
-                    merged[-1][1] += text
+        def chunks(events: list[OutputEvent]) -> list[str]:
+            nonlocal pending, n_calls
+            result: list[str] = []
+            for e in events:
+                if e.kind == "reasoning":
+                    result.append(chunk({"reasoning_content": e.text}))
+                elif e.kind == "content":
+                    records, pending = pending, []
+                    result.append(chunk({"content": e.text}, records=records))
                 else:
-                    merged.append([kind, text])
-            for kind, text in merged:
-                out.append(chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text}))
-            return out
+                    records, pending = pending, []
+                    entry = {"index": n_calls, **out.call_json(e.tool_call)}
+                    n_calls += 1
+                    result.append(chunk({"tool_calls": [entry]}, records=records if records else None))
+            return result
 
         yield chunk({"role": "assistant", "content": ""})
         try:
@@ -185,8 +202,9 @@ class ChatCompletions:
                     if ev is None:
                         yield KEEPALIVE
                     elif ev.kind == "delta":
-                        counter.feed(ev.token_ids)
-                        for c in deltas(splitter.feed(ev.text)):
+                        out.counter.feed(ev.token_ids)
+                        pending += out.records(ev)
+                        for c in chunks(out.decoder.feed(ev.text)):
                             yield c
                     elif ev.kind == "error":
                         yield sse_data(engine_error_body(ev.error))
@@ -195,19 +213,22 @@ class ChatCompletions:
                         if ev.finish_reason == "cancelled":
                             yield sse_data(engine_error_body(_cancelled_error()))
                             return
-                        for c in deltas(splitter.finish()):
+                        for c in chunks(out.decoder.finish()):
                             yield c
+                        out.log_parse()
+                        finish = "tool_calls" if out.decoder.tool_calls else ev.finish_reason
+                        records = pending if pending else None
                         timings = ev.timings or {}
                         if include_usage:
-                            yield chunk({}, ev.finish_reason)
+                            yield chunk({}, finish, records=records)
                             choices = []
                             if ctx.options.usage_chunk_choice:
                                 choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
                             yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
                                             "model": model_id, "choices": choices,
-                                            "usage": usage_dict(ev, counter.count), "timings": timings})
+                                            "usage": usage_dict(ev, out.counter.count), "timings": timings})
                         else:
-                            yield chunk({}, ev.finish_reason, timings=timings)
+                            yield chunk({}, finish, records=records, timings=timings)
                         yield DONE
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
@@ -217,6 +238,41 @@ class ChatCompletions:
             return
         yield sse_data(engine_error_body(EngineError(
             500, "internal_error", "The engine ended the request without finishing it.", type_="server_error")))
+
+
+class _Output:
+    """One choice's output state: decoder, reasoning-token counter and log-probability channel."""
+
+    def __init__(self, ctx: ServerContext, plan: ChatPlan, prompt: PreparedPrompt, opener: str | None):
+        self.ctx, self.plan, self.prompt = ctx, plan, prompt
+        self.decoder = OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
+                                     parallel_tool_calls=plan.parallel_tool_calls, forced_call=opener)
+        self.counter = ReasoningTokenCounter(ctx.tokenizer, prompt.opens_reasoning)
+        self.channel = LogprobChannel(ctx.tokenizer, prompt.opens_reasoning) if plan.logprobs is not None else None
+
+    def records(self, ev: EngineEvent) -> list[dict]:
+        if self.channel is None:
+            return []
+        tok = self.ctx.tokenizer
+        return [logprob_json(tok, r) for r in self.channel.take(ev.token_ids, ev.logprobs)]
+
+    def call_json(self, call: ToolCall) -> dict:
+        if call.name in self.plan.custom_tools:
+            try:
+                args = json.loads(call.arguments)
+            except ValueError:
+                args = None
+            text = args.get("input") if isinstance(args, dict) else None
+            return {"id": call.id, "type": "custom",
+                    "custom": {"name": call.name, "input": text if isinstance(text, str) else call.arguments}}
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+    def log_parse(self) -> None:
+        """One warning with the failure classification only (never the generated markup)."""
+        parse = self.decoder.parse
+        if parse is not None and parse.fallback != "none":
+            log.warning("tool call parse: fallback %s (recovered=%s, malformed_call=%s, trailing_dropped=%s)",
+                        parse.fallback, parse.recovered, parse.malformed, parse.trailing_dropped)
 
 
 PROTOCOL = ChatCompletions()

@@ -16,6 +16,7 @@ from ninfer_core.engine.api import EngineError
 from ninfer_core.protocols.openai_models import CONSTRAINED_EXTENSIONS, ChatCompletionRequest, ChatMessage
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
+from ninfer_core.server.prepare import collapse_effort
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Template inputs the request cannot replace through chat_template_kwargs.
@@ -39,6 +40,13 @@ class ChatPlan:
     sampling_request: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     ignore_eos: bool = False
+    forced_tool: str | None = None  # tool_choice forces a call to this tool (the prompt ends with its opener)
+    parallel_tool_calls: bool = True
+    custom_tools: frozenset[str] = frozenset()  # names of free-form custom tools (answered as custom calls)
+    logprobs: int | None = None  # None: not asked; else top_logprobs
+    thinking_budget: int | None = None
+    post_thinking: dict[str, Any] | None = None
+    effort_requested: str | None = None  # what the client named (logs)
 
 
 def validate_body(raw: bytes, ctx: ServerContext) -> "ChatPlan":
@@ -62,9 +70,7 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
     if req.logit_bias and any(v != 0 for v in req.logit_bias.values()):
         raise bad_request("logit_bias_not_supported", "A nonzero logit_bias is not supported: the sampler "
                           "cannot apply per-token biases.", "logit_bias")
-    if req.logprobs:
-        raise bad_request("logprobs_not_supported", "logprobs is not supported yet.", "logprobs")
-    if req.top_logprobs:
+    if req.top_logprobs and not req.logprobs:
         raise bad_request("invalid_value", "top_logprobs needs logprobs: true.", "top_logprobs")
     if req.repetition_penalty is not None and req.repetition_penalty != 1:
         raise bad_request("repetition_penalty_not_supported", "repetition_penalty is accepted only at its "
@@ -88,8 +94,8 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise bad_request("audio_not_supported", "Only text output is supported.", "modalities")
 
-    thinking, template_kwargs = _thinking_options(req, ctx)
-    tools = _tools(req)
+    tools, forced, custom = _tools(req)
+    thinking, template_kwargs, effort = _thinking_options(req, ctx, forced is not None)
     stream = bool(req.stream)
     limit = req.output_limit()
     return ChatPlan(
@@ -106,6 +112,13 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
                                                         "presence_penalty", "frequency_penalty")},
         seed=req.seed,
         ignore_eos=bool(req.ignore_eos),
+        forced_tool=forced,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        custom_tools=custom,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        thinking_budget=req.thinking_budget,
+        post_thinking=req.post_thinking.model_dump() if req.post_thinking is not None else None,
+        effort_requested=effort,
     )
 
 
@@ -142,7 +155,13 @@ def _stop_list(stop: Any) -> list[str]:
     return list(items)
 
 
-def _thinking_options(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[bool, dict[str, Any]]:
+def _thinking_options(req: ChatCompletionRequest, ctx: ServerContext,
+                      forced: bool) -> tuple[bool, dict[str, Any], str | None]:
+    """(thinking, template kwargs, the effort the client named).
+
+    Request options override the server defaults (--no-thinking, --preserve-thinking,
+    --default-reasoning-effort); a forced tool call switches default thinking off and leaves the
+    server's effort unset; the effort is collapsed to the nearest value the template accepts."""
     kwargs = dict(req.chat_template_kwargs or {})
     for key in RESERVED_KWARGS:
         if key in kwargs:
@@ -163,40 +182,141 @@ def _thinking_options(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[b
     preserve = typed("preserve_thinking", req.preserve_thinking, bool)
     effort = typed("reasoning_effort", req.reasoning_effort, str)
     param = "reasoning_effort" if req.reasoning_effort is not None else "chat_template_kwargs.reasoning_effort"
+    if effort is not None and effort not in EFFORTS + ("default", "auto"):
+        raise bad_request("invalid_value", f"reasoning_effort must be one of {', '.join(EFFORTS)} (or default, "
+                          "auto).", param)
+    requested = effort
     if effort in ("default", "auto"):
         effort = None
-    if effort is not None and effort not in EFFORTS:
-        raise bad_request("invalid_value", f"reasoning_effort must be one of {', '.join(EFFORTS)}.", param)
     if effort == "none":
         if enable is True:
             raise bad_request("invalid_value", "reasoning_effort 'none' disables thinking, which "
                               "enable_thinking: true asks for.", param)
         enable = False
+    if forced:
+        if enable is True:
+            raise bad_request("invalid_value", "A forced tool call (tool_choice naming a tool, required, or "
+                              "allowed_tools in required mode) needs thinking disabled; drop enable_thinking.",
+                              "tool_choice")
+        enable = False
+    elif effort is None and enable is not False:
+        default = ctx.options.thinking.default_reasoning_effort
+        if default == "none":
+            if enable is None:
+                enable = False
+        elif default is not None:
+            effort = default
     thinking = enable if enable is not None else not ctx.options.no_thinking
     if effort is not None and effort != "none":
-        kwargs["reasoning_effort"] = effort
+        kwargs["reasoning_effort"] = collapse_effort(ctx.chat_template, effort)
     if preserve is None and ctx.options.preserve_thinking:
         preserve = True
     if preserve is not None:
         kwargs["preserve_thinking"] = preserve
-    return thinking, kwargs
+    return thinking, kwargs, requested
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict] | None:
-    choice = req.tool_choice
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise bad_request("invalid_value", "tool_choice must be auto, none, required or a named tool.",
-                              "tool_choice")
-    elif choice is not None and not isinstance(choice, dict):
-        raise bad_request("invalid_type", "tool_choice must be a string or an object.", "tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise bad_request("tool_choice_not_supported", "Forcing a tool call (tool_choice required, a named "
-                          "tool or allowed_tools) is not supported yet; use auto or none.", "tool_choice")
-    if not req.tools or choice == "none":
-        return None
+def _declared(req: ChatCompletionRequest) -> list[tuple[str, Any]]:
+    names: dict[str, int] = {}
     out = []
-    for t in req.tools:
+    for i, t in enumerate(req.tools or []):
+        name = t.function.name if t.type == "function" else t.custom.name
+        if name in names:
+            raise bad_request("invalid_value", f"tool name {name!r} is declared twice (tools.{names[name]} and "
+                              f"tools.{i}).", f"tools.{i}.{t.type}.name")
+        names[name] = i
+        out.append((name, t))
+    return out
+
+
+def _choice_name(obj: Any, kind: str, param: str) -> str:
+    body = obj.get(kind) if isinstance(obj, dict) else None
+    name = body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad_request("missing_required_parameter" if name is None else "invalid_type",
+                          f"tool_choice of type {kind} needs {kind}.name.", f"{param}.{kind}.name")
+    return name
+
+
+def _tool_choice(choice: Any, declared: dict[str, Any]) -> tuple[str, str | None, list[str] | None]:
+    """(mode "auto"|"none"|"forced", forced name, narrowed tool names or None)."""
+    if choice is None or choice == "auto":
+        return "auto", None, None
+    if choice == "none":
+        return "none", None, None
+    if choice == "required":
+        return _require(list(declared), "tool_choice")
+    if isinstance(choice, str):
+        raise bad_request("invalid_value", "tool_choice must be auto, none, required or an object naming a tool.",
+                          "tool_choice")
+    if not isinstance(choice, dict):
+        raise bad_request("invalid_type", "tool_choice must be a string or an object.", "tool_choice")
+    kind = choice.get("type")
+    if kind == "function":
+        name = _choice_name(choice, "function", "tool_choice")
+        _known(name, declared, "tool_choice.function.name")
+        return "forced", name, None
+    if kind == "custom":  # advisory narrowing: the model is offered that tool only, not forced to call it
+        name = _choice_name(choice, "custom", "tool_choice")
+        _known(name, declared, "tool_choice.custom.name")
+        return "auto", None, [name]
+    if kind == "allowed_tools":
+        spec = choice.get("allowed_tools")
+        if not isinstance(spec, dict):
+            raise bad_request("missing_required_parameter" if spec is None else "invalid_type",
+                              "tool_choice allowed_tools needs an allowed_tools object.", "tool_choice.allowed_tools")
+        mode = spec.get("mode")
+        if mode not in ("auto", "required"):
+            raise bad_request("invalid_value", "allowed_tools.mode must be auto or required.",
+                              "tool_choice.allowed_tools.mode")
+        tools = spec.get("tools")
+        if not isinstance(tools, list) or not tools:
+            raise bad_request("invalid_value", "allowed_tools.tools must be a non-empty list.",
+                              "tool_choice.allowed_tools.tools")
+        names = []
+        for j, t in enumerate(tools):
+            p = f"tool_choice.allowed_tools.tools.{j}"
+            kind_j = t.get("type") if isinstance(t, dict) else None
+            if kind_j not in ("function", "custom"):
+                raise bad_request("invalid_value", "an allowed tool is a function or custom tool reference.",
+                                  f"{p}.type")
+            name = t.get("name") if isinstance(t.get("name"), str) else _choice_name(t, kind_j, p)
+            _known(name, declared, f"{p}.{kind_j}.name")
+            names.append(name)
+        if mode == "required":
+            return _require(names, "tool_choice.allowed_tools")
+        return "auto", None, names
+    raise bad_request("invalid_value", "tool_choice.type must be function, custom or allowed_tools.",
+                      "tool_choice.type")
+
+
+def _known(name: str, declared: dict[str, Any], param: str) -> None:
+    if name not in declared:
+        raise bad_request("invalid_value", f"tool_choice names {name[:64]!r}, which is not among the declared "
+                          "tools.", param)
+
+
+def _require(names: list[str], param: str) -> tuple[str, str | None, list[str] | None]:
+    if not names:
+        raise bad_request("invalid_value", "tool_choice 'required' needs at least one tool in 'tools'.", param)
+    if len(names) > 1:
+        raise bad_request("tool_choice_not_supported", "tool_choice 'required' over several callable tools is "
+                          "not supported: NInfer can force one named call but cannot make the model choose "
+                          "among several. Name the tool, or use auto.", param)
+    return "forced", names[0], names
+
+
+def _tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, str | None, frozenset[str]]:
+    """(tools to render, forced tool name, custom tool names)."""
+    declared = dict(_declared(req))
+    mode, forced, narrowed = _tool_choice(req.tool_choice, declared)
+    if not declared or mode == "none":
+        return None, None, frozenset()
+    out = []
+    custom = set()
+    for name, t in declared.items():
+        if narrowed is not None and name not in narrowed:
+            continue
         if t.type == "function":
             f = t.function
             fn: dict[str, Any] = {"name": f.name}
@@ -205,13 +325,14 @@ def _tools(req: ChatCompletionRequest) -> list[dict] | None:
             fn["parameters"] = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
         else:  # a free-form custom tool is served as a single-string-input function under its own name
             c = t.custom
+            custom.add(c.name)
             fn = {"name": c.name}
             if c.description is not None:
                 fn["description"] = c.description
             fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}},
                                 "required": ["input"]}
         out.append({"type": "function", "function": fn})
-    return out
+    return out, forced, frozenset(custom)
 
 
 def _content_text(content: Any, param: str, role: str) -> str:

@@ -62,6 +62,19 @@ class StreamOptions(_Wire):
     continuous_usage_stats: bool | None = None
 
 
+class PostThinking(_Wire):
+    """The post_thinking extension: the sampler after the reasoning block closes (omitted: preset)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+
+
 class ChatCompletionRequest(_Wire):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -92,6 +105,8 @@ class ChatCompletionRequest(_Wire):
     preserve_thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    thinking_budget: int | None = Field(None, ge=1)
+    post_thinking: PostThinking | None = None
     ignore_eos: bool | None = None
     modalities: list[str] | None = None
     store: bool | None = None

@@ -201,3 +201,58 @@ class OutputDecoder:
                 return
             self._markers += 1
             self._scan = pos + 1
+
+
+# -- token log probabilities (spec "Token log probabilities") ----------------------------------
+
+
+class LogprobChannel:
+    """Keeps the records of content-channel tokens: after the reasoning block and the whitespace
+    that closes it (tool-call markup included); reasoning tokens have none.
+
+    `take(token_ids, records)` with a delta event's ids and `logprobs` (records exist only for
+    sampled tokens, in order) returns the records to publish."""
+
+    def __init__(self, tokenizer, in_reasoning: bool):
+        self._tok = tokenizer
+        self._open = tokenizer.token_to_id("<think>")
+        self._close = tokenizer.token_to_id("</think>")
+        self._state = "reasoning" if (in_reasoning and self._close is not None) else "start"
+
+    def take(self, token_ids: list[int], records: list | None) -> list:
+        queue = list(records or [])
+        out = []
+        for t in token_ids:
+            record = queue.pop(0) if queue and queue[0].token_id == t else None
+            if self._state == "start":
+                if t == self._open and self._open is not None:
+                    self._state = "reasoning"
+                    continue
+                self._state = "content"
+            if self._state == "reasoning":
+                if t == self._close:
+                    self._state = "closing"
+                continue
+            if self._state == "closing":
+                if self._tok.token_bytes(t).strip() == b"":
+                    continue
+                self._state = "content"
+            if record is not None:
+                out.append(record)
+        return out
+
+
+def logprob_json(tokenizer, record, with_bytes: bool = True) -> dict:
+    """One OpenAI logprob entry: token (U+FFFD for bytes that are not UTF-8 on their own), logprob,
+    bytes, top_logprobs (Responses deltas pass with_bytes=False)."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token_id)
+        d = {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob}
+        if with_bytes:
+            d["bytes"] = list(raw)
+        return d
+
+    out = entry(record.token_id, record.logprob)
+    out["top_logprobs"] = [entry(i, lp) for i, lp in record.top]
+    return out

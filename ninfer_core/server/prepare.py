@@ -168,3 +168,124 @@ class ReasoningTokenCounter:
             elif t == self.open_id and t is not None:
                 self.inside = True
                 self.count += 1
+
+
+# -- reasoning effort (spec: values the template accepts, probed once) --------------------------
+
+EFFORT_ORDER = ("minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def accepted_efforts(template: Any) -> tuple[str, ...] | None:
+    """The reasoning_effort values `template` renders a one-message chat with; None when it accepts
+    none of them or cannot render that chat at all. Probed once per template object."""
+    cached = getattr(template, "_ninfer_accepted_efforts", False)
+    if cached is not False:
+        return cached
+    probe = [{"role": "user", "content": "Hi"}]
+    result: tuple[str, ...] | None
+    try:
+        template.render(probe, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe keeps request values
+        result = None
+    else:
+        ok = []
+        for value in EFFORT_ORDER:
+            try:
+                template.render(probe, add_generation_prompt=True, reasoning_effort=value)
+                ok.append(value)
+            except Exception:  # noqa: BLE001 - this value is refused by the template
+                pass
+        result = tuple(ok) or None
+    try:
+        template._ninfer_accepted_efforts = result
+    except AttributeError:  # pragma: no cover - a template object that takes no attributes
+        pass
+    return result
+
+
+def collapse_effort(template: Any, effort: str | None) -> str | None:
+    """The effort to render: the nearest value the template accepts, a tie rounding up."""
+    if effort is None or effort == "none" or effort not in EFFORT_ORDER or template is None:
+        return effort
+    accepted = accepted_efforts(template)
+    if not accepted or effort in accepted:
+        return effort
+    want = EFFORT_ORDER.index(effort)
+    return min(accepted, key=lambda v: (abs(EFFORT_ORDER.index(v) - want), -EFFORT_ORDER.index(v)))
+
+
+# -- forced tool calls, thinking budgets, post-thinking ------------------------------------------
+
+def forced_call_opener(name: str) -> str:
+    """The text a prompt ends with to force a call to `name` (Qwen form)."""
+    return f"<tool_call>\n<function={name}>\n"
+
+
+def forced_call_ids(tokenizer: Any, name: str) -> list[int]:
+    """The opener's ids: <tool_call> as its control token, the rest (with the caller's name) as text."""
+    head = tokenizer.encode("<tool_call>", allow_special=True)
+    return head + tokenizer.encode(f"\n<function={name}>\n", allow_special=False)
+
+
+BUDGET_MESSAGE = ("\n\nConsidering the limited time by the user, I have to give the solution based on the "
+                  "thinking directly now.\n")
+
+
+def budget_close_ids(ctx: ServerContext) -> list[int]:
+    """Guidance + close marker (+ the format newlines) committed at a thinking budget."""
+    message = ctx.options.thinking.thinking_budget_message
+    text = BUDGET_MESSAGE if message is None else message
+    if "</think>" not in text:
+        text = text + ("" if text.endswith("\n") else "\n") + "</think>"
+    if text.endswith("</think>"):
+        text += "\n\n"
+    tok = ctx.tokenizer
+    close = tok.token_to_id("</think>")
+    ids: list[int] = []
+    for i, piece in enumerate(text.split("</think>")):
+        if i:
+            ids.append(close)
+        if piece:
+            ids.extend(tok.encode(piece, allow_special=False))
+    return ids
+
+
+def thinking_fields(ctx: ServerContext, prompt: "PreparedPrompt", budget: int | None,
+                    post_thinking: dict | None, sampling: SamplingParams) -> dict[str, Any]:
+    """GenerationRequest fields for thinking: budget (request, else --default-thinking-budget) and
+    the post-thinking sampler (request object, else the --post-thinking flags). Nothing for a
+    request that does not think."""
+    if not prompt.opens_reasoning:
+        return {}
+    _, close = think_ids(ctx.tokenizer)
+    if close is None:
+        return {}
+    opts = ctx.options.thinking
+    fields: dict[str, Any] = {"in_reasoning": True, "think_end_ids": [close]}
+    budget = budget if budget is not None else opts.default_thinking_budget
+    if budget is not None:
+        fields["thinking_budget"] = budget
+        fields["budget_close_ids"] = budget_close_ids(ctx)
+    if post_thinking is not None or opts.post_thinking:
+        fields["post_thinking"] = post_thinking_sampling(ctx, post_thinking or {}, sampling)
+    return fields
+
+
+def post_thinking_sampling(ctx: ServerContext, request: dict[str, Any], base: SamplingParams) -> SamplingParams:
+    """The thinking preset with temperature 0.2, then --post-thinking-* flags, then the request
+    object; an omitted seed continues the request's stream (seed None); --greedy forces 0."""
+    presets = ctx.sampling_presets or default_sampling_presets(ctx.model.architecture if ctx.model else "")
+    values = dict(presets["thinking"])
+    values["temperature"] = 0.2
+    values.update(ctx.options.thinking.post_thinking_overrides)
+    for name in SAMPLING_FIELDS:
+        if request.get(name) is not None:
+            values[name] = request[name]
+    eng = ctx.options.engine
+    if eng.greedy:
+        values["temperature"] = 0.0
+    return SamplingParams(
+        temperature=float(values["temperature"]), top_p=float(values["top_p"]),
+        top_k=min(int(values["top_k"]), TOP_K_CAP), min_p=float(values["min_p"]),
+        presence_penalty=float(values["presence_penalty"]), frequency_penalty=float(values["frequency_penalty"]),
+        seed=request.get("seed"), greedy=bool(eng.greedy or float(values["temperature"]) == 0.0))
