@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""One device call: environment facts, the GPU tests, then `ninfer bench` for each shape asked;
+logs and JSON under --out, a short summary printed last.
+
+Run on the device from the repository root (the wheels of the packages missing there installed
+into PYTHONPATH first; see docs/bench.md):
+
+    python3 scripts/gpu_check.py --out $OUT --bench qwen3.5-9b qwen3.5-27b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(cmd: list[str], log_path: str, timeout: float) -> tuple[int, float, str]:
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    with open(log_path) as f:
+        text = f.read()
+    return rc, time.monotonic() - t0, text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
+    ap.add_argument("--tests", nargs="*", default=["tests/gpu"], help="pytest paths (none: skip)")
+    ap.add_argument("--bench", nargs="*", default=["qwen3.5-9b"], help="shapes to bench (none: skip)")
+    ap.add_argument("--bench-args", default="", help="extra arguments for every ninfer bench run")
+    ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    t_start = time.monotonic()
+    summary = []
+
+    env_cmd = [sys.executable, "-c", (
+        "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, "
+        "torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA');\n"
+        "import importlib.util as u; print('fla', bool(u.find_spec('fla')), 'fastapi', bool(u.find_spec('fastapi')))\n"
+        "import transformers; print('transformers', transformers.__version__)")]
+    rc, _, text = run(env_cmd, os.path.join(a.out, "env.log"), 120)
+    print(text.strip(), flush=True)
+
+    if a.tests:
+        left = a.budget - (time.monotonic() - t_start)
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
+                            *a.tests], os.path.join(a.out, "pytest.log"), max(60, left - 30))
+        lines = [ln for ln in text.splitlines() if ln.startswith(("PARITY", "graph vs", "8 concurrent", "tiny artifact",
+                                                                  "in-place GDN", "fla chunk", "lane "))
+                 or "rel err" in ln]
+        tail = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or "error" in ln.lower()][-3:]
+        summary.append(f"== GPU tests rc={rc} in {dt:.0f} s")
+        summary.extend(lines[-30:])
+        summary.extend(tail)
+        if rc != 0:
+            summary.append(text[-4000:])
+
+    for shape in a.bench:
+        left = a.budget - (time.monotonic() - t_start)
+        if left < 60:
+            summary.append(f"== bench {shape}: skipped, {left:.0f} s left")
+            continue
+        js = os.path.join(a.out, f"bench-{shape.replace('/', '_')}.json")
+        cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js,
+               *a.bench_args.split()]
+        rc, dt, text = run(cmd, os.path.join(a.out, f"bench-{shape.replace('/', '_')}.log"), left - 10)
+        summary.append(f"== bench {shape} rc={rc} in {dt:.0f} s")
+        start = text.find("ninfer bench  shape=")
+        summary.append(text[start:].strip() if start >= 0 else text[-3000:])
+        if os.path.exists(js):
+            with open(js) as f:
+                json.load(f)
+    print("\n".join(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
