@@ -30,6 +30,8 @@ GROUP = "ninfer"
 DEFAULT_PLUGINS: list[tuple[str, str]] = [
     ("kv_bf16", "ninfer_core.engine.kv_bf16"),
     ("ops", "ninfer_core.protocols.ops"),
+    ("context_cache", "ninfer_core.engine.cache"),
+    ("slots", "ninfer_core.protocols.slots"),
     ("openai_chat", "ninfer_core.protocols.openai_chat"),
     ("llamacpp", "ninfer_core.protocols.llamacpp"),
     ("openai_completions", "ninfer_core.protocols.openai_completions"),

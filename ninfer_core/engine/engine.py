@@ -286,6 +286,10 @@ class Engine:
             for s in batch:
                 self._fail(s, exc)
             return
+        with self._cv:  # /v1/load counters: rounds, rows and the tokens they committed
+            for key, n in (("decode_rounds", 1), ("decode_row_rounds", len(batch)),
+                           ("committed_decode_tokens", len(batch))):
+                self.counters[key] = self.counters.get(key, 0) + n
         for s, token, record in zip(batch, tokens, records):
             s.num_cached += 1
             self._commit(s, token, record)

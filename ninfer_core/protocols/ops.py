@@ -69,6 +69,7 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
     slots_total = _int(snap, "slots_total", default=eng.max_concurrency)
     slots_used = max(0, slots_total - _int(snap, "slots_free", default=slots_total))
     counters = snap.get("counters") if isinstance(snap.get("counters"), dict) else {}
+    cc = snap.get("context_cache") if isinstance(snap.get("context_cache"), dict) else {}
     return {
         "object": "ninfer.load",
         "model": ctx.model.id,
@@ -77,7 +78,9 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
             "max_concurrency": eng.max_concurrency, "max_pending_requests": eng.max_pending_requests,
             "max_admitted_requests": eng.max_concurrency + eng.max_pending_requests,
             "max_context": eng.max_context, "kv_capacity_tokens": pages_total * page,
-            "kv_capacity_pages": pages_total, "kv_page_tokens": page, "device_state_slots": slots_total,
+            "kv_capacity_pages": pages_total, "kv_page_tokens": page,
+            "device_state_slots": slots_total + _int(cc, "device_state_slots"),
+            "host_state_slots": _int(cc, "host_state_slots"), "host_kv_bytes": _int(cc, "host_kv_bytes"),
         },
         "requests": {
             "admitted": ctx.ingress.admitted, "running": _int(snap, "lanes_active"),
@@ -86,10 +89,18 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
         },
         "occupancy": {
             "device_main_kv_pages": pages_used, "device_main_kv_tokens": pages_used * page,
-            "device_state_slots": slots_used,
+            "device_state_slots": slots_used + _int(cc, "device_state_slots_used"),
+            "host_state_slots": _int(cc, "host_state_slots_used"), "host_kv_bytes": _int(cc, "host_kv_bytes_used"),
         },
-        # The engine's monotonic counters as it publishes them (no prefix reuse exists yet).
-        "counters": {k: int(v) for k, v in counters.items() if isinstance(v, (int, float))},
+        "counters": {
+            # Without a context cache every admitted prompt token is computed.
+            "computed_prefill_tokens": (_int(cc, "computed_prefill_tokens") if cc
+                                        else _int(counters, "prompt_tokens_total")),
+            "committed_decode_tokens": _int(counters, "committed_decode_tokens"),
+            "reused_prompt_tokens": _int(cc, "reused_prompt_tokens"),
+            "decode_rounds": _int(counters, "decode_rounds"),
+            "decode_row_rounds": _int(counters, "decode_row_rounds"),
+        },
     }
 
 
