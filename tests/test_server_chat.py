@@ -497,3 +497,135 @@ def test_reasoning_token_counter(make_app):
     counter = ReasoningTokenCounter(tok, False)
     counter.feed([5, o, 6, c, 7])
     assert counter.count == 3
+
+
+# --- reasoning effort: collapsed to what the template accepts ----------------------------------------
+
+EFFORT_TEMPLATE = (
+    "{%- if reasoning_effort is defined and reasoning_effort not in ['low', 'medium', 'xhigh'] -%}"
+    "{{ raise_exception('unsupported effort') }}{%- endif -%}"
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+    "[effort={{ reasoning_effort if reasoning_effort is defined else 'unset' }}]"
+    "{%- if enable_thinking is false -%}<think>\n\n</think>\n\n{%- else -%}<think>\n{%- endif -%}{%- endif -%}"
+)
+
+
+def _effort_app(make_app, **options):
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
+
+    client, ctx, engine = make_app(**options)
+    ctx.chat_template = ChatTemplate(EFFORT_TEMPLATE)
+    return client, ctx, engine
+
+
+def _rendered_effort(ctx, engine) -> str:
+    text = prompt_text(ctx, engine.requests[-1])
+    return text[text.index("[effort=") + 8: text.index("]", text.index("[effort="))]
+
+
+@pytest.mark.parametrize("asked,rendered", [
+    ("minimal", "low"), ("low", "low"), ("medium", "medium"), ("high", "xhigh"), ("xhigh", "xhigh"),
+    ("max", "xhigh"), ("auto", "unset"), ("default", "unset"),
+])
+def test_effort_collapses_to_the_nearest_accepted_value(make_app, asked, rendered):
+    client, ctx, engine = _effort_app(make_app)
+    assert post(client, reasoning_effort=asked).status_code == 200
+    assert _rendered_effort(ctx, engine) == rendered
+    assert post(client, chat_template_kwargs={"reasoning_effort": asked}).status_code == 200
+    assert _rendered_effort(ctx, engine) == rendered
+
+
+def test_effort_none_disables_thinking(make_app):
+    client, ctx, engine = _effort_app(make_app)
+    assert post(client, reasoning_effort="none").status_code == 200
+    assert prompt_text(ctx, engine.requests[-1]).endswith("[effort=unset]<think>\n\n</think>")
+
+
+def test_effort_probe_runs_once_per_template():
+    from ninfer_core.server.prepare import accepted_efforts, collapse_effort
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
+
+    class Counting(ChatTemplate):
+        renders = 0
+
+        def render(self, *a, **kw):
+            Counting.renders += 1
+            return super().render(*a, **kw)
+
+    tpl = Counting(EFFORT_TEMPLATE)
+    assert accepted_efforts(tpl) == ("low", "medium", "xhigh")
+    n = Counting.renders
+    assert collapse_effort(tpl, "high") == "xhigh" and collapse_effort(tpl, "minimal") == "low"
+    assert Counting.renders == n  # cached
+    # a tie rounds up: with low and xhigh only, medium sits between low (1 away) and ... high is 1 from xhigh
+    two = ChatTemplate(EFFORT_TEMPLATE.replace("'low', 'medium', 'xhigh'", "'low', 'high'"))
+    assert collapse_effort(two, "medium") == "high" and collapse_effort(two, "max") == "high"
+    # a template that accepts no value, or cannot render the probe chat, keeps the request's value
+    none = ChatTemplate("{{ raise_exception('no') if reasoning_effort is defined }}x")
+    assert accepted_efforts(none) is None and collapse_effort(none, "high") == "high"
+    sys_only = ChatTemplate("{{ raise_exception('system first') if messages[0].role != 'system' }}x")
+    assert accepted_efforts(sys_only) is None and collapse_effort(sys_only, "max") == "max"
+
+
+def test_default_reasoning_effort(make_app):
+    from ninfer_core.config import ThinkingOptions
+
+    client, ctx, engine = _effort_app(make_app, thinking=ThinkingOptions(default_reasoning_effort="high"))
+    post(client)
+    assert _rendered_effort(ctx, engine) == "xhigh"
+    post(client, reasoning_effort="low")
+    assert _rendered_effort(ctx, engine) == "low"
+    post(client, enable_thinking=False)  # a request that disables thinking is served as if unset
+    assert _rendered_effort(ctx, engine) == "unset"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    post(client, tools=tools, tool_choice="required")  # so is a forced tool call
+    assert _rendered_effort(ctx, engine) == "unset"
+
+
+def test_default_reasoning_effort_none_turns_thinking_off_by_default(make_app):
+    from ninfer_core.config import ThinkingOptions
+
+    client, ctx, engine = make_app(thinking=ThinkingOptions(default_reasoning_effort="none"))
+    post(client)
+    assert prompt_text(ctx, engine.requests[-1]).endswith("<think>\n\n</think>\n\n")
+    post(client, enable_thinking=True)
+    assert prompt_text(ctx, engine.requests[-1]).endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_default_reasoning_effort_conflicts_with_no_thinking():
+    import argparse
+
+    from ninfer_core.config import add_serve_arguments, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    with pytest.raises(ValueError, match="--no-thinking"):
+        options_from_args(p.parse_args(["--no-thinking", "--default-reasoning-effort", "high"]))
+    assert options_from_args(p.parse_args(["--no-thinking", "--default-reasoning-effort", "none"])).thinking \
+        .default_reasoning_effort == "none"
+    opts = options_from_args(p.parse_args(["--post-thinking-top-p", "0.5",
+                                           "--post-thinking-sampler", "temp=0.1,top_k=4,presence=1"]))
+    assert opts.thinking.post_thinking
+    assert opts.thinking.post_thinking_overrides == {"temperature": 0.1, "top_k": 4, "presence_penalty": 1.0,
+                                                     "top_p": 0.5}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--post-thinking-sampler", "heat=3"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--default-thinking-budget", "0"])
+
+
+def test_preserve_thinking_reaches_the_template(make_app):
+    client, ctx, engine = make_app()
+    history = [{"role": "user", "content": "a"},
+               {"role": "assistant", "content": "b", "reasoning_content": "SECRET-REASONING"},
+               {"role": "user", "content": "c"}]
+    post(client, messages=history)
+    assert "SECRET-REASONING" not in prompt_text(ctx, engine.requests[-1])
+    post(client, messages=history, preserve_thinking=True)
+    assert "SECRET-REASONING" in prompt_text(ctx, engine.requests[-1])
+    post(client, messages=history, chat_template_kwargs={"preserve_thinking": True})
+    assert "SECRET-REASONING" in prompt_text(ctx, engine.requests[-1])
+    client2, ctx2, engine2 = make_app(preserve_thinking=True)
+    post(client2, messages=history, preserve_thinking=False)
+    assert "SECRET-REASONING" not in prompt_text(ctx2, engine2.requests[-1])
