@@ -98,7 +98,11 @@ BAD = [
     ({"graft": "summarizer"}, 400, "unknown_graft", "graft"),
     ({"graft": 5}, 400, "invalid_type", "graft"),
     ({"thinking_budget": 0}, 400, "invalid_value", "thinking_budget"),
-    ({"thinking_budget": 256}, 400, "thinking_budget_not_supported", "thinking_budget"),
+    ({"thinking_budget": "many"}, 400, "invalid_type", "thinking_budget"),
+    ({"post_thinking": {"temperature": 5}}, 400, "invalid_value", "post_thinking.temperature"),
+    ({"post_thinking": {"temperature": "hot"}}, 400, "invalid_type", "post_thinking.temperature"),
+    ({"post_thinking": {"mood": 1}}, 400, "unknown_parameter", "post_thinking.mood"),
+    ({"post_thinking": 0.2}, 400, "invalid_type", "post_thinking"),
     ({"text": "plain"}, 400, "invalid_type", "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "response_format_not_supported",
      "text.format.type"),
@@ -110,12 +114,10 @@ BAD = [
     ({"truncation": "auto"}, 400, "truncation_not_supported", "truncation"),
     ({"truncation": "sometimes"}, 400, "invalid_value", "truncation"),
     ({"top_logprobs": 21}, 400, "invalid_value", "top_logprobs"),
-    ({"top_logprobs": 3}, 400, "logprobs_not_supported", "top_logprobs"),
     ({"include": "reasoning.encrypted_content"}, 400, "invalid_type", "include"),
     ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, 400, "include_not_supported",
      "include.1"),
     ({"include": [3]}, 400, "invalid_type", "include.0"),
-    ({"include": ["message.output_text.logprobs"]}, 400, "logprobs_not_supported", "include.0"),
     ({"service_tier": "flex"}, 400, "service_tier_not_supported", "service_tier"),
     ({"service_tier": 1}, 400, "invalid_type", "service_tier"),
     ({"background": True}, 400, "background_not_supported", "background"),
@@ -476,3 +478,46 @@ def test_template_kwargs_and_preserve_thinking_reach_the_template(app):
     assert "old thought" in prompt_text(ctx, engine.requests[-1])
     post(client, input=hist, chat_template_kwargs={"preserve_thinking": True})
     assert "old thought" in prompt_text(ctx, engine.requests[-1])
+
+
+def test_thinking_budget_and_post_thinking_reach_the_engine(app):
+    client, ctx, engine = app()
+    post(client, thinking_budget=256, post_thinking={"temperature": 0.3})
+    req = engine.requests[-1]
+    assert req.thinking_budget == 256 and req.budget_close_ids and req.in_reasoning
+    assert req.post_thinking is not None and req.post_thinking.temperature == 0.3
+    post(client, thinking_budget=256, reasoning={"effort": "none"})  # a request that does not think: no cap
+    req = engine.requests[-1]
+    assert req.thinking_budget is None and not req.in_reasoning
+
+
+def test_logprob_requests_reach_the_engine(app):
+    client, _, engine = app()
+    post(client, top_logprobs=4)
+    assert engine.requests[-1].logprobs == 4
+    post(client, include=["message.output_text.logprobs"])
+    assert engine.requests[-1].logprobs == 0
+    post(client)
+    assert engine.requests[-1].logprobs is None  # a request that does not ask gathers nothing
+
+
+def test_reasoning_effort_reaches_the_template_and_server_default_yields(app):
+    client, ctx, engine = app()
+    seen = []
+    original = ctx.chat_template.render_ids
+
+    def spy(tok, messages, **kw):
+        seen.append(kw.get("reasoning_effort"))
+        return original(tok, messages, **kw)
+
+    ctx.chat_template.render_ids = spy
+    post(client, reasoning={"effort": "high"})
+    assert seen[-1] == "high"
+    ctx.options.thinking.default_reasoning_effort = "low"
+    post(client)
+    assert seen[-1] == "low"
+    post(client, reasoning={"effort": "medium"})
+    assert seen[-1] == "medium"
+    ctx.options.thinking.default_reasoning_effort = "none"
+    post(client)
+    assert prompt_text(ctx, engine.requests[-1]).endswith("<think>\n\n</think>\n\n")

@@ -513,3 +513,56 @@ def test_input_tokens_errors(app, body, code, param):
     assert r.status_code in (400, 404)
     assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, param)
     assert client.post("/v1/responses/input_tokens", json={"input": "x"}).status_code == 200
+
+
+# --- log probabilities -----------------------------------------------------------------------------
+
+def _with_logprobs(engine):
+    """Make the FakeEngine attach a record to every token, as the engine does when asked."""
+    from ninfer_core.engine.api import TokenLogprob
+
+    plain = engine.script
+
+    def script(request):
+        events = plain(request)
+        if request.logprobs is not None:
+            for ev in events:
+                if ev.kind == "delta":
+                    ev.logprobs = [TokenLogprob(t, -0.25, [(t, -0.25), (65, -2.0)][: request.logprobs])
+                                   for t in ev.token_ids]
+        return events
+
+    engine.script = script
+
+
+def test_logprobs_on_the_output_text_part(app):
+    client, ctx, engine = app()
+    _with_logprobs(engine)
+    body = post(client, top_logprobs=2).json()
+    part = body["output"][-1]["content"][0]
+    tok = ctx.tokenizer
+    # records cover the content channel only: "Hello there." after the reasoning and its close
+    expected = tok.encode("Hello") + tok.encode(" there.")
+    assert [r["token"] for r in part["logprobs"]] == [tok.decode([t]) for t in expected]
+    first = part["logprobs"][0]
+    assert first["logprob"] == -0.25 and first["bytes"] == list(b"H")
+    assert first["top_logprobs"] == [{"token": "H", "logprob": -0.25, "bytes": list(b"H")},
+                                     {"token": "A", "logprob": -2.0, "bytes": [65]}]
+    body = post(client, include=["message.output_text.logprobs"]).json()
+    assert all(r["top_logprobs"] == [] for r in body["output"][-1]["content"][0]["logprobs"])
+    assert post(client).json()["output"][-1]["content"][0]["logprobs"] == []
+
+
+def test_logprobs_travel_with_stream_deltas_without_bytes(app):
+    client, ctx, engine = app()
+    _with_logprobs(engine)
+    events = parse_sse(post(client, stream=True, top_logprobs=1).text)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    streamed = [r for e in deltas for r in e["logprobs"]]
+    assert streamed == done["logprobs"] and streamed
+    assert all("bytes" not in r and all("bytes" not in t for t in r["top_logprobs"]) for r in streamed)
+    assert "".join(r["token"] for r in streamed) == done["text"] == "Hello there."
+    final = events[-1]["response"]["output"][-1]["content"][0]
+    assert [r["token"] for r in final["logprobs"]] == [r["token"] for r in streamed]
+    assert all("bytes" in r for r in final["logprobs"])

@@ -29,8 +29,15 @@ from ninfer_core.protocols.responses_output import ResponseBuilder, sse_event
 from ninfer_core.protocols.responses_request import CreatePlan, load_body, parse_request, resolve_thinking
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import bad_request
-from ninfer_core.server.output import OutputDecoder
-from ninfer_core.server.prepare import ReasoningTokenCounter, render_prompt_ids, resolve_sampling
+from ninfer_core.server.output import LogprobChannel, OutputDecoder, logprob_json
+from ninfer_core.server.prepare import (
+    ReasoningTokenCounter,
+    forced_call_ids,
+    forced_call_opener,
+    render_prompt_ids,
+    resolve_sampling,
+    thinking_fields,
+)
 from ninfer_core.server.response_store import ResponseStore, StoredResponse, record_size
 from ninfer_core.server.sse import KEEPALIVE, ClientDisconnected, EventStreamResponse, unless_disconnected, with_keepalive
 
@@ -91,8 +98,8 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
     prompt = render_prompt_ids(ctx, messages, plan.tools.template_tools or None, prep.thinking, kwargs)
     prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
     if plan.tools.forced is not None:
-        prep.forced_opener = f"<tool_call>\n<function={plan.tools.forced}>\n"
-        prep.ids += ctx.tokenizer.encode(prep.forced_opener)
+        prep.forced_opener = forced_call_opener(plan.tools.forced)
+        prep.ids += forced_call_ids(ctx.tokenizer, plan.tools.forced)
         prep.opens_reasoning = False
     return prep
 
@@ -247,7 +254,9 @@ class Responses:
                 prep.session_id = ("resp:" + rid)[:SESSION_KEY_MAX]
             gen = GenerationRequest(prompt_ids=prep.ids, sampling=sampling, max_tokens=plan.max_output_tokens,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
-                                    deadline=deadline, session_id=prep.session_id)
+                                    deadline=deadline, session_id=prep.session_id,
+                                    logprobs=(plan.top_logprobs or 0) if plan.logprobs else None,
+                                    **thinking_fields(ctx, prep, plan.thinking_budget, plan.post_thinking, sampling))
             handle = ctx.engine.submit(gen)
         except BaseException:
             release()
@@ -269,11 +278,12 @@ class Responses:
         }
         builder = ResponseBuilder(response, summary=plan.summary, encrypted=plan.encrypted_reasoning,
                                   identity=ts.identity)
+        channel = LogprobChannel(ctx.tokenizer, prep.opens_reasoning) if plan.logprobs else None
         decoder = OutputDecoder(in_reasoning=prep.opens_reasoning, tools=ts.template_tools or None,
                                 parallel_tool_calls=ts.parallel_tool_calls, id_prefix="call_",
                                 forced_call=prep.forced_opener)
         counter = ReasoningTokenCounter(ctx.tokenizer, prep.opens_reasoning)
-        run = _Run(ctx, store, plan, prep, builder, decoder, counter, handle)
+        run = _Run(ctx, store, plan, prep, builder, decoder, counter, handle, channel)
         if plan.stream:
             return EventStreamResponse(run.stream(), on_disconnect=handle.cancel, on_close=release)
         try:
@@ -289,8 +299,8 @@ class Responses:
 class _Run:
     """One admitted Create: engine events -> builder -> (store) -> JSON or SSE."""
 
-    def __init__(self, ctx, store, plan, prep, builder, decoder, counter, handle):
-        self.ctx, self.store, self.plan, self.prep = ctx, store, plan, prep
+    def __init__(self, ctx, store, plan, prep, builder, decoder, counter, handle, channel):
+        self.ctx, self.store, self.plan, self.prep, self.channel = ctx, store, plan, prep, channel
         self.builder, self.decoder, self.counter, self.handle = builder, decoder, counter, handle
         self.terminal = False
 
@@ -299,6 +309,9 @@ class _Run:
         b = self.builder
         if ev.kind == "delta":
             self.counter.feed(ev.token_ids)
+            if self.channel is not None:
+                tok = self.ctx.tokenizer
+                b.add_logprobs([logprob_json(tok, r) for r in self.channel.take(ev.token_ids, ev.logprobs)])
             return b.feed(self.decoder.feed(ev.text))
         if ev.kind == "error":
             raise ev.error

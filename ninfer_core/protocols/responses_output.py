@@ -23,6 +23,14 @@ def sse_event(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _without_bytes(record: dict) -> dict:
+    """A logprob record as Responses SSE events carry it (no bytes)."""
+    out = {k: v for k, v in record.items() if k != "bytes"}
+    if "top_logprobs" in out:
+        out["top_logprobs"] = [{k: v for k, v in t.items() if k != "bytes"} for t in out["top_logprobs"]]
+    return out
+
+
 class ResponseBuilder:
     """Accumulates output Items from OutputDecoder events and emits the matching SSE events."""
 
@@ -36,6 +44,10 @@ class ResponseBuilder:
         self.output: list[dict] = response["output"]
         self._open: dict | None = None  # the reasoning or message Item currently streaming
         self._open_text: list[str] = []
+        # Log probabilities (when asked): records wait in _pending until the text they belong to is
+        # published, then travel with that output_text delta and land in the message part.
+        self._pending: list[dict] = []
+        self._open_logprobs: list[dict] = []
 
     # -- events ---------------------------------------------------------------------------------
     def _ev(self, type_: str, **fields: Any) -> dict:
@@ -64,6 +76,14 @@ class ResponseBuilder:
                 out += self._delta(e.text)
         return out
 
+    def add_logprobs(self, records: list[dict]) -> None:
+        self._pending.extend(records)
+
+    def _take_logprobs(self) -> list[dict]:
+        recs, self._pending = self._pending, []
+        self._open_logprobs.extend(recs)
+        return [_without_bytes(r) for r in recs]
+
     def _index(self) -> int:
         return len(self.output) - 1
 
@@ -78,7 +98,7 @@ class ResponseBuilder:
             item = {"id": new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
                     "content": []}
         self.output.append(item)
-        self._open, self._open_text = item, []
+        self._open, self._open_text, self._open_logprobs = item, [], []
         evs = [self._ev("response.output_item.added", output_index=idx, item=json.loads(json.dumps(item)))]
         if kind == "reasoning":
             if self.summary is not None:
@@ -107,7 +127,7 @@ class ResponseBuilder:
             return [self._ev("response.reasoning_text.delta", item_id=item["id"], output_index=self._index(),
                              content_index=0, delta=text)]
         return [self._ev("response.output_text.delta", item_id=item["id"], output_index=self._index(),
-                         content_index=0, delta=text, logprobs=[])]
+                         content_index=0, delta=text, logprobs=self._take_logprobs())]
 
     def _close(self, status: str = "completed") -> list[dict]:
         item = self._open
@@ -122,9 +142,11 @@ class ResponseBuilder:
             if self.encrypted:
                 item["encrypted_content"] = text
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            self._take_logprobs()  # records of held-back markup the message never published as text
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self._open_logprobs}
             evs = [self._ev("response.output_text.done", item_id=item["id"], output_index=idx,
-                            content_index=0, text=text, logprobs=[])]
+                            content_index=0, text=text,
+                            logprobs=[_without_bytes(r) for r in self._open_logprobs])]
         item["content"] = [part]
         item["status"] = status
         evs.append(self._ev("response.content_part.done", item_id=item["id"], output_index=idx,

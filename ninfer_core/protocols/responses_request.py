@@ -21,9 +21,6 @@ from ninfer_core.server.errors import bad_request, parse_json_body
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
 INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
-# Engine features this adapter passes through once they are wired end to end (see docs/responses.md).
-LOGPROBS_WIRED = False
-THINKING_BUDGET_WIRED = False
 
 CREATE_FIELDS = {
     "model", "input", "instructions", "previous_response_id", "max_output_tokens", "stream", "store",
@@ -31,6 +28,7 @@ CREATE_FIELDS = {
     "preserve_thinking", "graft", "thinking_budget", "text", "tools", "tool_choice", "parallel_tool_calls",
     "max_tool_calls", "truncation", "top_logprobs", "service_tier", "background", "include", "stream_options",
     "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "user",
+    "post_thinking",
 }
 COUNT_FIELDS = {"model", "input", "instructions", "previous_response_id", "reasoning", "tools", "tool_choice",
                 "parallel_tool_calls", "text", "truncation", "preserve_thinking", "chat_template_kwargs", "graft"}
@@ -42,7 +40,6 @@ UNSUPPORTED_FIELDS = {
     "context_management": ("context_management_not_supported", "Server-side context management (compaction) is "
                            "not supported."),
     "moderation": ("moderation_not_supported", "Hosted moderation is not supported."),
-    "post_thinking": ("post_thinking_not_supported", "post_thinking sampling is not supported by this build."),
 }
 
 
@@ -64,6 +61,7 @@ class CreatePlan:
     preserve_thinking: bool | None  # explicit value (top-level or kwargs), None: inherit / default
     enable_thinking: bool | None  # chat_template_kwargs.enable_thinking
     thinking_budget: int | None
+    post_thinking: dict[str, Any] | None
     text: dict[str, Any]
     tools: ToolSet
     max_tool_calls: int | None
@@ -230,6 +228,28 @@ def _include(v: Any) -> list[str]:
     return list(dict.fromkeys(v))
 
 
+def _post_thinking(v: Any) -> dict[str, Any] | None:
+    """The post_thinking sampler object, checked by the shared Chat Completions model."""
+    if v is None:
+        return None
+    from pydantic import ValidationError
+
+    from ninfer_core.protocols.openai_models import PostThinking
+
+    if not isinstance(v, dict):
+        raise bad_request("invalid_type", f"'post_thinking' must be an object, got {show(v)}.", "post_thinking")
+    try:
+        return PostThinking.model_validate(v).model_dump()
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(["post_thinking", *(str(p) for p in err["loc"])])
+        kind = err["type"]
+        code = ("unknown_parameter" if kind == "extra_forbidden" else
+                "invalid_type" if kind.endswith("_type") or kind in ("int_from_float", "int_parsing", "float_parsing")
+                else "invalid_value")
+        raise bad_request(code, f"Invalid value for '{param}': {err['msg']}.", param) from None
+
+
 def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> CreatePlan:
     allowed = COUNT_FIELDS if count_only else CREATE_FIELDS
     for key in data:
@@ -315,9 +335,7 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         raise bad_request("unknown_graft", f"graft {show(graft)} is not loaded by this server (it loads no "
                           "grafts).", "graft")
     budget = _int(data, "thinking_budget", 1)
-    if budget is not None and not THINKING_BUDGET_WIRED:
-        raise bad_request("thinking_budget_not_supported", f"thinking_budget {budget} cannot be enforced: this "
-                          "build's engine has no thinking-budget support yet.", "thinking_budget")
+    post_thinking = _post_thinking(data.get("post_thinking"))
 
     text = _text(data.get("text"))
     tools = parse_tools(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
@@ -341,10 +359,6 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
                               "the foreground of their request.", "background")
     include = _include(data.get("include"))
     logprobs = "message.output_text.logprobs" in include or bool(top_logprobs)
-    if logprobs and not LOGPROBS_WIRED:
-        param = "top_logprobs" if top_logprobs else f"include.{include.index('message.output_text.logprobs')}"
-        raise bad_request("logprobs_not_supported", "token log probabilities are not supported by this build's "
-                          "engine yet.", param)
     so = data.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
@@ -372,6 +386,7 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         max_output_tokens=max_out, stream=stream, store=True if store is None else store,
         temperature=temperature, top_p=top_p, metadata=metadata, effort=effort, summary=summary,
         template_kwargs=kwargs, preserve_thinking=preserve, enable_thinking=enable, thinking_budget=budget,
+        post_thinking=post_thinking,
         text=text, tools=tools, max_tool_calls=max_tool_calls, top_logprobs=top_logprobs, logprobs=logprobs,
         include=include, encrypted_reasoning="reasoning.encrypted_content" in include, echo=echo)
 
@@ -379,17 +394,27 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
 def resolve_thinking(plan: CreatePlan, ctx: ServerContext, preserve: bool | None) -> tuple[bool, dict[str, Any]]:
     """Thinking mode and template kwargs. A forced call switches default thinking off and refuses
     thinking the request itself enables (tool_choice_not_supported)."""
+    from ninfer_core.server.prepare import collapse_effort
+
     kwargs = dict(plan.template_kwargs)
     enable = plan.enable_thinking
-    if plan.effort == "none":
+    effort = plan.effort
+    if effort == "none":
         enable = False
-    elif plan.effort is not None:
-        kwargs["reasoning_effort"] = plan.effort
     if plan.tools.forced is not None:
         if enable is True:
             raise bad_request("tool_choice_not_supported", "a forced tool call needs a prompt without a thinking "
                               "block, but chat_template_kwargs.enable_thinking: true asks for one.", "tool_choice")
         enable = False
+    elif effort is None and enable is not False:
+        default = ctx.options.thinking.default_reasoning_effort  # yields to everything the request decides
+        if default == "none":
+            if enable is None:
+                enable = False
+        elif default is not None:
+            effort = default
+    if effort is not None and effort != "none":
+        kwargs["reasoning_effort"] = collapse_effort(ctx.chat_template, effort)
     thinking = enable if enable is not None else not ctx.options.no_thinking
     if preserve is None and ctx.options.preserve_thinking:
         preserve = True
