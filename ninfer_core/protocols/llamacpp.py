@@ -22,13 +22,15 @@ from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent
 from ninfer_core.protocols.raw_prompt import (
     LARGE_BODY,
-    LiveTimings,
     RawCompletionFields,
     RawPlan,
-    RawSubmission,
-    cancelled_error,
     check_fields,
     settings_dict,
+)
+from ninfer_core.protocols.raw_submit import (
+    LiveTimings,
+    RawSubmission,
+    cancelled_error,
     submit_raw,
     unfinished_error,
 )
@@ -81,7 +83,8 @@ def validate_body(raw: bytes, ctx: ServerContext) -> LlamaPlan:
         limit, param = req.max_tokens, "max_tokens"
     for i, name in enumerate(req.response_fields or ()):
         if not name:
-            raise bad_request("invalid_value", "response_fields names must be non-empty.", f"response_fields.{i}")
+            raise bad_request("invalid_value", "response_fields names must be non-empty.",
+                              f"response_fields.{i}")
     return LlamaPlan(check_fields(req, ctx, limit, negative_is_unlimited=True, limit_param=param), req)
 
 

@@ -23,17 +23,8 @@ from pydantic import Field
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent
-from ninfer_core.protocols.raw_prompt import (
-    LARGE_BODY,
-    RawCompletionFields,
-    RawPlan,
-    RawSubmission,
-    WireModel,
-    cancelled_error,
-    check_fields,
-    submit_raw,
-    unfinished_error,
-)
+from ninfer_core.protocols.raw_prompt import LARGE_BODY, RawCompletionFields, RawPlan, WireModel, check_fields
+from ninfer_core.protocols.raw_submit import RawSubmission, cancelled_error, submit_raw, unfinished_error
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body
 from ninfer_core.server.sse import (

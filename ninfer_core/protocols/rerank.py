@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, GenerationRequest, SamplingParams
-from ninfer_core.protocols.raw_prompt import WireModel, cancelled_error, check_model, unfinished_error
+from ninfer_core.protocols.raw_prompt import WireModel, check_model
+from ninfer_core.protocols.raw_submit import cancelled_error, unfinished_error
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.sse import ClientDisconnected, unless_disconnected
@@ -250,7 +251,8 @@ class Rerank:
         if plan.tei:
             out = []
             for i in order:
-                item: dict[str, Any] = {"index": i, "score": _finite(odds[i]) if plan.raw_scores else scores[i]}
+                score = _finite(odds[i]) if plan.raw_scores else scores[i]
+                item: dict[str, Any] = {"index": i, "score": score}
                 if plan.return_documents:
                     item["text"] = plan.documents[i]
                 out.append(item)
