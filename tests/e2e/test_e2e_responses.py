@@ -274,3 +274,20 @@ def test_abandoned_stream_is_cancelled_and_engine_returns_to_idle(client, live_s
     assert stored.status == "cancelled"
     assert client.responses.create(model=model_id, input="ok", max_output_tokens=1).status in ("completed",
                                                                                                "incomplete")
+
+
+def test_logprobs(client, model_id):
+    resp = client.responses.create(model=model_id, input="Hi", max_output_tokens=6, reasoning={"effort": "none"},
+                                   top_logprobs=2, include=["message.output_text.logprobs"])
+    msg = next(i for i in resp.output if i.type == "message")
+    records = msg.content[0].logprobs
+    # no reasoning: every generated token is content, except a stop token (which has no record)
+    assert len(records) == resp.usage.output_tokens - (resp.status == "completed")
+    for r in records:
+        assert r.logprob <= 0 and len(r.top_logprobs) == 2 and isinstance(r.bytes, list)
+    events = list(client.responses.create(model=model_id, input="Hi", max_output_tokens=4, stream=True,
+                                          reasoning={"effort": "none"}, top_logprobs=1))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert len(streamed) == len(done.logprobs) == events[-1].response.usage.output_tokens - (
+        events[-1].type == "response.completed")
