@@ -508,12 +508,46 @@ def test_sampling_limits_and_stops_reach_the_engine(app):
     assert engine2.requests[-1].sampling.temperature == 0.0
 
 
+def test_thinking_budget_and_post_thinking_reach_the_engine(app):
+    from ninfer_core.config import ThinkingOptions
+
+    client, ctx, engine = app()
+    post(client, thinking={"type": "enabled", "budget_tokens": 2048}, post_thinking={"temperature": 0.1, "top_k": 4})
+    req = engine.requests[-1]
+    assert req.in_reasoning and req.thinking_budget == 2048 and req.budget_close_ids
+    assert req.think_end_ids == [ctx.tokenizer.token_to_id("</think>")]
+    assert req.post_thinking.temperature == 0.1 and req.post_thinking.top_k == 4
+    post(client, thinking={"type": "enabled", "budget_tokens": 4096}, max_tokens=100)  # above max_tokens: accepted
+    assert engine.requests[-1].thinking_budget == 4096 and engine.requests[-1].max_tokens == 100
+    post(client, thinking=OFF, post_thinking={"temperature": 0.1})  # a request that does not think gets no cap
+    req = engine.requests[-1]
+    assert not req.in_reasoning and req.thinking_budget is None and req.post_thinking is None
+    # --default-thinking-budget applies to thinking requests that state no budget
+    client, ctx, engine = app(thinking=ThinkingOptions(default_thinking_budget=512, default_reasoning_effort="none"))
+    post(client, thinking={"type": "adaptive"})
+    assert engine.requests[-1].thinking_budget == 512
+    post(client, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert engine.requests[-1].thinking_budget == 1024
+    # --default-reasoning-effort none turns the default thinking off, never an explicit choice
+    post(client)
+    assert not engine.requests[-1].in_reasoning and prompt_text(ctx, engine).endswith("</think>\n\n")
+
+
 def test_plan_thinking_display_budget_and_effort(app):
     _, ctx, _ = app()
     plan = parse_request(body_of(thinking={"type": "enabled", "budget_tokens": 2048, "display": "omitted"},
                                  output_config={"effort": "high"}), ctx)
     assert plan.thinking and plan.display_omitted and plan.thinking_budget == 2048
-    assert plan.template_kwargs["reasoning_effort"] == "xhigh"
+    assert plan.template_kwargs["reasoning_effort"] == "high"  # the project's template accepts every value
+    # a template that accepts fewer values gets the nearest one (the shared probe, ties round up)
+    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+
+    guard = ("{%- if reasoning_effort is defined and reasoning_effort not in ('low', 'medium', 'xhigh') -%}"
+             "{{- raise_exception('effort') -}}{%- endif -%}")
+    ctx.chat_template = ChatTemplate(guard + QWEN35_TEMPLATE)
+    for sent, rendered in (("high", "xhigh"), ("max", "xhigh"), ("low", "low")):
+        plan = parse_request(body_of(output_config={"effort": sent}), ctx)
+        assert plan.template_kwargs["reasoning_effort"] == rendered
     plan = parse_request(body_of(thinking={"type": "adaptive"}, output_config={"effort": "medium"},
                                  preserve_thinking=True), ctx)
     assert plan.thinking and not plan.display_omitted and plan.thinking_budget is None
@@ -523,7 +557,7 @@ def test_plan_thinking_display_budget_and_effort(app):
     plan = parse_request(body_of(chat_template_kwargs={"enable_thinking": False}), ctx)
     assert not plan.thinking
     plan = parse_request(body_of(tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True}), ctx)
-    assert plan.parallel_tool_calls is False and plan.forced_call is None
+    assert plan.parallel_tool_calls is False and plan.forced_tool is None
     assert parse_request(body_of(), ctx).thinking  # the server default
     _, ctx_off, _ = app(no_thinking=True)
     assert not parse_request(body_of(), ctx_off).thinking

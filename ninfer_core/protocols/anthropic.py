@@ -28,7 +28,14 @@ from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body
 from ninfer_core.server.output import OutputDecoder, OutputEvent
-from ninfer_core.server.prepare import opens_reasoning, render_prompt_ids, resolve_sampling
+from ninfer_core.server.prepare import (
+    forced_call_ids,
+    forced_call_opener,
+    opens_reasoning,
+    render_prompt_ids,
+    resolve_sampling,
+    thinking_fields,
+)
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
@@ -63,8 +70,8 @@ def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
     tok = ctx.tokenizer
     if plan.prefill:
         ids += tok.encode(plan.prefill, allow_special=False)  # caller text: never control tokens
-    if plan.forced_call:
-        ids += tok.encode(plan.forced_call, allow_special=True)  # template markup (a validated name)
+    if plan.forced_tool:
+        ids += forced_call_ids(tok, plan.forced_tool)
     return Prompt(ids, opens_reasoning(tok, ids))
 
 
@@ -228,7 +235,9 @@ class AnthropicMessages:
             prompt = await anyio.to_thread.run_sync(prepare_prompt, ctx, plan)
             sampling = resolve_sampling(ctx, plan.thinking, plan.sampling_request, None)
             gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens,
-                                    stop=plan.stop, request_id=request_id, deadline=deadline)
+                                    stop=plan.stop, request_id=request_id, deadline=deadline,
+                                    **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
+                                                      sampling))
             handle = ctx.engine.submit(gen)
         except BaseException:
             release()
@@ -250,7 +259,7 @@ class AnthropicMessages:
     def _decoder(plan: MessagesPlan, prompt: Prompt) -> OutputDecoder:
         return OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
                              parallel_tool_calls=plan.parallel_tool_calls, id_prefix="toolu_",
-                             forced_call=plan.forced_call)
+                             forced_call=forced_call_opener(plan.forced_tool) if plan.forced_tool else None)
 
     async def _aggregate(self, handle, plan: MessagesPlan, prompt: Prompt, mid: str) -> dict:
         decoder = self._decoder(plan, prompt)

@@ -25,10 +25,11 @@ from ninfer_core.protocols.anthropic_history import (
 )
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
+from ninfer_core.server.prepare import collapse_effort
 
 MIN_THINKING_BUDGET = 1024
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
-EFFORTS = ("low", "medium", "high", "max")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # Template inputs the request cannot replace through chat_template_kwargs.
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                    "continue_final_message", "add_vision_id")
@@ -45,7 +46,7 @@ class MessagesPlan:
     display_omitted: bool = False
     thinking_budget: int | None = None
     prefill: str | None = None  # text the final assistant turn already has (continued in place)
-    forced_call: str | None = None  # the tool-call opener the prompt ends with (forced selection)
+    forced_tool: str | None = None  # the tool a forced selection calls (the prompt ends in its opener)
     parallel_tool_calls: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
@@ -81,7 +82,7 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     messages, prefill = lower_conversation(data, thinking, explicit)
     plan = MessagesPlan(model=model, messages=messages, tools=tools, thinking=thinking,
                         display_omitted=omitted, thinking_budget=budget if thinking else None,
-                        prefill=prefill, forced_call=forced, parallel_tool_calls=parallel,
+                        prefill=prefill, forced_tool=forced, parallel_tool_calls=parallel,
                         template_kwargs=kwargs)
     if count_only:
         return plan
@@ -225,14 +226,16 @@ def _template_kwargs(data: dict, ctx: ServerContext, thinking: bool,
         raise bad_request("invalid_value", "chat_template_kwargs.reasoning_effort disagrees with "
                           "'output_config.effort'.", "chat_template_kwargs.reasoning_effort")
     effort = effort if effort is not None else inner_effort
+    if effort is None and (thinking or not explicit):  # --default-reasoning-effort yields to the request
+        default = ctx.options.thinking.default_reasoning_effort
+        if default == "none":
+            if not explicit:
+                thinking = False
+        elif default is not None:
+            effort = default
     if effort is not None:
-        kwargs["reasoning_effort"] = template_effort(effort)
+        kwargs["reasoning_effort"] = collapse_effort(ctx.chat_template, effort)
     return kwargs, thinking, explicit
-
-
-def template_effort(effort: Any) -> Any:
-    """The nearest effort the Qwen templates accept: minimal -> low, high/max -> xhigh."""
-    return {"minimal": "low", "high": "xhigh", "max": "xhigh"}.get(effort, effort)
 
 
 def _output_format(data: dict) -> None:
@@ -287,7 +290,7 @@ def _post_thinking(obj: Any) -> dict[str, Any] | None:
 # -- tools ------------------------------------------------------------------------------------------
 
 def _tools(data: dict, thinking: bool, explicit: bool) -> tuple[list[dict] | None, str | None, bool, bool]:
-    """(tools as rendered, forced call opener, parallel calls allowed, thinking)."""
+    """(tools as rendered, the forced tool's name, parallel calls allowed, thinking)."""
     raw = data.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise wrong_type("tools", "a list")
@@ -386,7 +389,7 @@ def _tools(data: dict, thinking: bool, explicit: bool) -> tuple[list[dict] | Non
                               f"'{kind}') needs thinking disabled for the request: send thinking: "
                               "{\"type\": \"disabled\"}.", "tool_choice")
         thinking = False  # the server's default thinking gives way to the forced call
-        forced = f"<tool_call>\n<function={target}>\n"
+        forced = target
     return (tools or None), forced, parallel, thinking
 
 
