@@ -521,3 +521,25 @@ def test_reasoning_effort_reaches_the_template_and_server_default_yields(app):
     ctx.options.thinking.default_reasoning_effort = "none"
     post(client)
     assert prompt_text(ctx, engine.requests[-1]).endswith("<think>\n\n</think>\n\n")
+
+
+def test_prompt_cache_breakpoints_become_engine_markers(app):
+    client, ctx, engine = app()
+    bp = {"mode": "explicit"}
+    r = post(client, tools=[FN], input=[
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "input_text", "text": "doc", "prompt_cache_breakpoint": bp}]},
+        call("c1"), result("c1", output=[{"type": "input_text", "text": "r", "prompt_cache_breakpoint": bp}]),
+        USER])
+    assert r.status_code == 200, r.text
+    req = engine.requests[-1]
+    tok = ctx.tokenizer
+    im = tok.token_to_id("<|im_start|>")
+    starts = [i for i, t in enumerate(req.prompt_ids) if t == im]
+    # blocks: tools + system, user "doc", assistant call, tool results, user "Hi", the generation opener
+    assert len(starts) == 6
+    assert req.checkpoint_hints.markers == [starts[2], starts[4]]  # where the marked messages end
+    assert tok.decode(req.prompt_ids[starts[2]:], skip_special=False).startswith("<|im_start|>assistant")
+    assert req.checkpoint_hints.turn_closure == starts[-1]
+    post(client)
+    assert engine.requests[-1].checkpoint_hints is None  # no markers: the engine derives its own hints

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, GenerationRequest
-from ninfer_core.protocols.responses_items import normalize_input, show, to_messages
+from ninfer_core.protocols.responses_items import breakpoint_markers, normalize_input, show, to_messages
 from ninfer_core.protocols.responses_output import ResponseBuilder, sse_event
 from ninfer_core.protocols.responses_request import CreatePlan, load_body, parse_request, resolve_thinking
 from ninfer_core.server.context import Ingress, ServerContext
@@ -57,6 +57,7 @@ class Prepared:
     thinking: bool
     forced_opener: str | None
     session_id: str | None = None
+    hints: Any = None  # CheckpointHints with the client's prompt_cache_breakpoint markers, when any
 
 
 def _not_found(response_id: str) -> EngineError:
@@ -97,6 +98,13 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
     prep, messages, kwargs = prep_and_messages
     prompt = render_prompt_ids(ctx, messages, plan.tools.template_tools or None, prep.thinking, kwargs)
     prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
+    markers = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), messages,
+                                 bool(plan.tools.template_tools))
+    if markers:
+        from ninfer_core.engine.cache import derive_hints
+
+        prep.hints = derive_hints(ctx.tokenizer, prep.ids)
+        prep.hints.markers = markers
     if plan.tools.forced is not None:
         prep.forced_opener = forced_call_opener(plan.tools.forced)
         prep.ids += forced_call_ids(ctx.tokenizer, plan.tools.forced)
@@ -254,7 +262,7 @@ class Responses:
                 prep.session_id = ("resp:" + rid)[:SESSION_KEY_MAX]
             gen = GenerationRequest(prompt_ids=prep.ids, sampling=sampling, max_tokens=plan.max_output_tokens,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
-                                    deadline=deadline, session_id=prep.session_id,
+                                    deadline=deadline, session_id=prep.session_id, checkpoint_hints=prep.hints,
                                     logprobs=(plan.top_logprobs or 0) if plan.logprobs else None,
                                     **thinking_fields(ctx, prep, plan.thinking_budget, plan.post_thinking, sampling))
             handle = ctx.engine.submit(gen)

@@ -310,6 +310,41 @@ def _text(parts: list[dict] | str) -> str:
     return "".join(out)
 
 
+BREAKPOINT_KEY = "_ninfer_cache_breakpoint"  # on a template message: a client prompt_cache_breakpoint ends it
+MAX_BREAKPOINTS = 4
+
+
+def _has_breakpoint(parts: list[dict] | str) -> bool:
+    return not isinstance(parts, str) and any("prompt_cache_breakpoint" in p for p in parts)
+
+
+def breakpoint_markers(ids: list[int], im_start: int | None, messages: list[dict], has_tools: bool) -> list[int]:
+    """Token positions where messages carrying a prompt_cache_breakpoint end (the next message start).
+
+    Follows how the ChatML template lays messages out: a tools block first (merging a leading
+    system/developer message), consecutive tool results in one user turn. When the rendered prompt
+    does not have the message starts that layout predicts (another template), no marker is given.
+    The last four breakpoints of the conversation are kept.
+    """
+    if im_start is None or not any(m.get(BREAKPOINT_KEY) for m in messages):
+        return []
+    starts = [i for i, t in enumerate(ids) if t == im_start]
+    block = 1 if has_tools else 0
+    where: list[int] = []
+    for k, m in enumerate(messages):
+        if has_tools and k == 0 and m["role"] in ("system", "developer"):
+            where.append(0)
+        elif m["role"] == "tool" and k > 0 and messages[k - 1]["role"] == "tool":
+            where.append(where[-1])
+        else:
+            where.append(block)
+            block += 1
+    if block + 1 != len(starts):  # blocks + the generation opener
+        return []
+    marks = sorted({starts[where[k] + 1] for k, m in enumerate(messages) if m.get(BREAKPOINT_KEY)})
+    return marks[-MAX_BREAKPOINTS:]
+
+
 @dataclass
 class _Turn:
     first_param: str
@@ -375,7 +410,11 @@ def to_messages(context: list[tuple[dict, str]], instructions: str | None, lenie
                               f"{len(last_calls)} calls; missing {show(missing)}. A partial result set cannot be "
                               "represented in the prompt.", p)
         for c, _ in last_calls:  # declaration order
-            messages.append({"role": "tool", "tool_call_id": c["call_id"], "content": _text(got[c["call_id"]]["output"])})
+            out = got[c["call_id"]]["output"]
+            msg = {"role": "tool", "tool_call_id": c["call_id"], "content": _text(out)}
+            if _has_breakpoint(out):
+                msg[BREAKPOINT_KEY] = True
+            messages.append(msg)
         results = []
         last_calls = []
 
@@ -412,7 +451,10 @@ def to_messages(context: list[tuple[dict, str]], instructions: str | None, lenie
             close_turn()
             close_results()
             last_calls = []
-            messages.append({"role": role, "content": _text(item["content"])})
+            msg = {"role": role, "content": _text(item["content"])}
+            if _has_breakpoint(item["content"]):
+                msg[BREAKPOINT_KEY] = True
+            messages.append(msg)
     close_turn()
     close_results()
     return messages
