@@ -477,6 +477,35 @@ def test_tools_and_tool_choice(app):
     assert post(client, tool_choice={"type": "none"}).status_code == 200
 
 
+def test_cache_control_marks_message_frontiers(app):
+    client, ctx, engine = app()
+    im_start = ctx.tokenizer.token_to_id("<|im_start|>")
+    eph = {"type": "ephemeral"}
+
+    def starts():
+        return [i for i, t in enumerate(engine.requests[-1].prompt_ids) if t == im_start]
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "U1", "cache_control": eph}]},
+            {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    post(client, system=[{"type": "text", "text": "S", "cache_control": {**eph, "ttl": "1h"}}], messages=msgs)
+    s = starts()  # system, U1, A1, U2, the generation opener
+    assert engine.requests[-1].checkpoint_hints.markers == [s[1], s[2]]
+    assert engine.requests[-1].checkpoint_hints.turn_closure == s[-1]
+    # tools: the end of the tools block; tool results: the end of their user turn
+    hist = _tool_history([{**_result("toolu_1"), "cache_control": eph}, _result("toolu_2"),
+                          {"type": "text", "text": "now?"}])
+    post(client, tools=[{**TOOL, "cache_control": eph}], messages=hist)
+    s = starts()  # tools, user, assistant, tool results, user text, opener
+    assert engine.requests[-1].checkpoint_hints.markers == [s[1], s[4]]
+    # only the latest four are kept; no hint leaves the engine to derive its own
+    many = [{"role": r, "content": [{"type": "text", "text": str(i), "cache_control": eph}]}
+            for i, r in enumerate(["user", "assistant"] * 3)] + [{"role": "user", "content": "last"}]
+    post(client, messages=many, thinking=OFF)
+    assert engine.requests[-1].checkpoint_hints.markers == starts()[3:7]
+    post(client)
+    assert engine.requests[-1].checkpoint_hints is None
+
+
 def test_hints_metadata_and_unknown_fields_are_accepted(app):
     client, ctx, engine = app()
     r = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01", "anthropic-beta": "x-2025"},

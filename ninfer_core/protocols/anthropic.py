@@ -25,6 +25,7 @@ from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
 from ninfer_core.protocols.anthropic_history import omitted_signature, visible_signature
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
+from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body
 from ninfer_core.server.output import OutputDecoder, OutputEvent
@@ -58,6 +59,7 @@ def sse_event(obj: dict) -> str:
 class Prompt:
     ids: list[int]
     opens_reasoning: bool
+    hints: Any = None  # CheckpointHints carrying the client's cache_control frontiers, when any
 
 
 def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
@@ -72,7 +74,25 @@ def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
         ids += tok.encode(plan.prefill, allow_special=False)  # caller text: never control tokens
     if plan.forced_tool:
         ids += forced_call_ids(tok, plan.forced_tool)
-    return Prompt(ids, opens_reasoning(tok, ids))
+    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids))
+
+
+def cache_hints(ctx: ServerContext, plan: MessagesPlan, ids: list[int]) -> Any:
+    """cache_control breakpoints as exact prompt frontiers: the end of each hinted message (and of
+    the tools block); the latest four are kept. None: no hint (the engine derives its own)."""
+    im_start = ctx.tokenizer.token_to_id("<|im_start|>")
+    markers = breakpoint_markers(ids, im_start, plan.messages, bool(plan.tools))
+    if plan.tools_cached and plan.tools and im_start is not None:
+        starts = [i for i, t in enumerate(ids) if t == im_start]
+        if len(starts) >= 2:  # the tools block is the first turn
+            markers = sorted({starts[1], *markers})
+    if not markers:
+        return None
+    from ninfer_core.engine.cache import derive_hints
+
+    hints = derive_hints(ctx.tokenizer, ids)
+    hints.markers = markers[-MAX_BREAKPOINTS:]
+    return hints
 
 
 def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
@@ -236,6 +256,7 @@ class AnthropicMessages:
             sampling = resolve_sampling(ctx, plan.thinking, plan.sampling_request, None)
             gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens,
                                     stop=plan.stop, request_id=request_id, deadline=deadline,
+                                    checkpoint_hints=prompt.hints,
                                     **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
                                                       sampling))
             handle = ctx.engine.submit(gen)

@@ -18,8 +18,11 @@ import json
 from typing import Any
 
 from ninfer_core.engine.api import EngineError
+from ninfer_core.protocols.responses_items import BREAKPOINT_KEY
 from ninfer_core.server.errors import bad_request
 
+# On a lowered message: a cache_control hint ends in it (the shared ChatML marker placement reads it).
+CACHE_KEY = BREAKPOINT_KEY
 SIGNATURE_PREFIX = "ninfer-reasoning.v1:"
 VISIBLE_SIGNATURE_PREFIX = "ninfer-visible.v1:"
 # Blocks whose meaning needs an executor or a store this server does not have.
@@ -169,7 +172,7 @@ def lower_conversation(data: dict, thinking: bool, explicit: bool) -> tuple[list
     if system is not None:
         text = system_text(system, "system")
         if text:
-            out.append({"role": "system", "content": text})
+            out.append(_mark({"role": "system", "content": text}, system if isinstance(system, list) else []))
     raw = data.get("messages")
     if raw is None:
         raise missing("messages")
@@ -193,7 +196,7 @@ def lower_conversation(data: dict, thinking: bool, explicit: bool) -> tuple[list
                 if block["type"] != "text":
                     raise _system_only_text(f"{q}.type")
                 texts.append(text_of(block, q))
-            out.append({"role": "system", "content": "".join(texts)})
+            out.append(_mark({"role": "system", "content": "".join(texts)}, [b for b, _ in blocks]))
             pending = None
         elif role == "user":
             out.extend(_user_turn(blocks, pending, pending_at, first=n == 0 or all(
@@ -206,7 +209,7 @@ def lower_conversation(data: dict, thinking: bool, explicit: bool) -> tuple[list
             if last:
                 return out, _prefill(blocks, thinking, explicit)
             msg, ids = _assistant_turn(blocks)
-            out.append(msg)
+            out.append(_mark(msg, [b for b, _ in blocks]))
             pending, pending_at = (ids or None), p
     return out, None
 
@@ -265,6 +268,7 @@ def _user_turn(blocks: list[tuple[dict, str]], pending: list[str] | None, pendin
     results: dict[str, str] = {}
     order: list[str] = []
     texts: list[str] = []
+    hinted: dict[str, dict] = {}  # tool id -> its result block, for cache_control hints
     for block, p in blocks:
         kind = block["type"]
         if kind == "tool_result":
@@ -286,6 +290,7 @@ def _user_turn(blocks: list[tuple[dict, str]], pending: list[str] | None, pendin
                 raise bad_request("invalid_tool_history", "tool_result blocks must answer the tool_use "
                                   "blocks of the assistant turn right before them.", p)
             results[tid] = _tool_result_text(block, p)
+            hinted[tid] = block
             order.append(tid)
         elif kind == "text":
             texts.append(text_of(block, p))
@@ -298,10 +303,19 @@ def _user_turn(blocks: list[tuple[dict, str]], pending: list[str] | None, pendin
                               f"leading tool_result for every tool_use; missing: {', '.join(absent)}.",
                               blocks[0][1] if blocks else pending_at)
         order = list(pending)  # results are normalised to call order
-    out = [{"role": "tool", "tool_call_id": tid, "content": results[tid]} for tid in order]
+    out = [_mark({"role": "tool", "tool_call_id": tid, "content": results[tid]}, [hinted[tid]])
+           for tid in order]
     if texts or not order:
-        out.append({"role": "user", "content": "".join(texts)})
+        out.append(_mark({"role": "user", "content": "".join(texts)},
+                         [b for b, _ in blocks if b["type"] != "tool_result"]))
     return out
+
+
+def _mark(message: dict, blocks: list) -> dict:
+    """Flag `message` when one of the blocks it was lowered from carries a cache_control hint."""
+    if any(isinstance(b, dict) and b.get("cache_control") for b in blocks):
+        message[CACHE_KEY] = True
+    return message
 
 
 def _thinking_text(block: dict, p: str) -> str:

@@ -48,6 +48,7 @@ class MessagesPlan:
     prefill: str | None = None  # text the final assistant turn already has (continued in place)
     forced_tool: str | None = None  # the tool a forced selection calls (the prompt ends in its opener)
     parallel_tool_calls: bool = True
+    tools_cached: bool = False  # a tool definition carries a cache_control hint
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
     max_tokens: int | None = None  # None: the default output limit
@@ -81,6 +82,8 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     tools, forced, parallel, thinking = _tools(data, thinking, explicit)
     messages, prefill = lower_conversation(data, thinking, explicit)
     plan = MessagesPlan(model=model, messages=messages, tools=tools, thinking=thinking,
+                        tools_cached=any(isinstance(t, dict) and t.get("cache_control")
+                                         for t in data.get("tools") or []),
                         display_omitted=omitted, thinking_budget=budget if thinking else None,
                         prefill=prefill, forced_tool=forced, parallel_tool_calls=parallel,
                         template_kwargs=kwargs)
