@@ -55,7 +55,7 @@ def main() -> int:
 
     if a.tests:
         left = a.budget - (time.monotonic() - t_start)
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             *a.tests], os.path.join(a.out, "pytest.log"), max(60, left - 30))
         lines = [ln for ln in text.splitlines() if ln.startswith(("PARITY", "graph vs", "8 concurrent", "tiny artifact",
                                                                   "in-place GDN", "fla chunk", "lane "))

@@ -62,6 +62,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON here")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
+    from ninfer_core.bench.replay import add_replay_arguments
+
+    add_replay_arguments(p)
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -298,11 +301,8 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     prompt_len = len(tok.encode(template.render(messages)))
     eng_opts = EngineOptions(max_context=prompt_len + args.http_tokens + 64, max_concurrency=clients,
                              prefill_chunk=1024, device=str(device), cuda_graph=not args.no_cuda_graph)
-    runner.cache = None
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if hasattr(runner, "free_cache"):  # graphs and cache go before the engine sizes its own pool
+        runner.free_cache()
     engine = Engine(runner, tok, eng_opts)
     engine.start()
     ctx = ServerContext(options=ServeOptions(engine=eng_opts, log_level="warning"), plugins=host)
@@ -386,6 +386,10 @@ def _fmt(v, nd=1):
 
 
 def run_bench(a: argparse.Namespace) -> int:
+    if getattr(a, "conversations", False):  # the context-cache replay (ninfer_core.bench.replay)
+        from ninfer_core.bench.replay import run_replay
+
+        return run_replay(a)
     import torch
 
     from ninfer_core.bench.shapes import SHAPES

@@ -32,9 +32,9 @@ def _pool(num_pages, page, kvh, d, device, gen):
 
 def decode_attention(device="cpu", heads=8, kvh=2, d=64, lens=(1, 70, 200, 64), page=64, tol=2e-2):
     gen = torch.Generator(device=device).manual_seed(1)
-    num_pages = 24
+    width = -(-max(lens) // page) + 1
+    num_pages = len(lens) * width + 3
     kc, vc = _pool(num_pages, page, kvh, d, device, gen)
-    width = 6
     perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(2)).tolist()
     table = torch.tensor([perm[i * width:(i + 1) * width] for i in range(len(lens))], dtype=torch.int32)
     table = table.to(device)
@@ -123,3 +123,29 @@ def runner_interpret():
         err = rel(outs[1], outs[0])
         print(f"runner with interpreted kernels vs reference: {err:.2e}")
         assert err < 1e-4, err
+
+
+def fused_elementwise(device="cpu", rows=5, hidden=320, tol=None):
+    """add_rmsnorm / gated_rmsnorm / silu_mul against the reference modules' math."""
+    gen = torch.Generator(device=device).manual_seed(9)
+    dt = act_dtype(device) if tol is None else torch.float32
+    tol = tol or 1e-2
+    x = torch.randn(rows, hidden, generator=gen, device=device).to(dt)
+    d = torch.randn(rows, hidden, generator=gen, device=device).to(dt)
+    w = (torch.randn(hidden, generator=gen, device=device) * 0.1).to(dt)
+    for delta in (d, None):
+        xr, hr = K.ref_add_rmsnorm(x, delta, w, 1e-6)
+        xo, ho = K.add_rmsnorm(x, delta, w, 1e-6)
+        e1, e2 = rel(xo, xr), rel(ho, hr)
+        print(f"add_rmsnorm (delta={'yes' if delta is not None else 'no'}): {e1:.2e} {e2:.2e}")
+        assert e1 < tol and e2 < tol
+    core = torch.randn(rows * 4, 64, generator=gen, device=device).to(dt)
+    z = torch.randn(rows * 4, 64 + 8, generator=gen, device=device).to(dt)[:, :64]  # strided rows
+    gw = (1 + 0.1 * torch.randn(64, generator=gen, device=device)).to(dt)
+    e = rel(K.gated_rmsnorm(core, z, gw, 1e-6), K.ref_gated_rmsnorm(core, z, gw, 1e-6))
+    print(f"gated_rmsnorm: {e:.2e}")
+    assert e < tol
+    gu = torch.randn(rows, 2 * 1500, generator=gen, device=device).to(dt)
+    e = rel(K.silu_mul(gu), K.ref_silu_mul(gu))
+    print(f"silu_mul: {e:.2e}")
+    assert e < tol

@@ -38,3 +38,7 @@ def test_gdn_decode_inplace_matches_reference():
 
 def test_gpu_runner_with_interpreted_kernels_matches_reference():
     _run("runner_interpret")
+
+
+def test_fused_elementwise_kernels_match_reference():
+    _run("fused_elementwise")

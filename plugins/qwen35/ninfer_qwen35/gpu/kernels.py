@@ -294,3 +294,120 @@ def gdn_decode_inplace(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk
 
 def softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# fused elementwise ops (one launch each instead of 6-10 torch kernels; same rounding points as
+# the reference modules: results rounded to the activation dtype where the modules round)
+# ------------------------------------------------------------------------------------------------
+def ref_add_rmsnorm(x, delta, weight, eps):
+    """(x + delta, zero-centred RMSNorm of it) as ZeroCenteredRMSNorm computes; delta may be None."""
+    if delta is not None:
+        x = x + delta
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return x, (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def ref_gated_rmsnorm(x, z, weight, eps):
+    """GatedRMSNorm: rows of x [..., d] normalised, times weight, times silu(z) (fp32 gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return (out * F.silu(z.float())).to(dtype)
+
+
+def ref_silu_mul(gu):
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, D, W, XO, HO, eps, N, s_x, s_d, s_xo, s_ho,
+                            HAS_D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(X + row * s_x + offs, mask=mask, other=0.0)
+        if HAS_D:
+            d = tl.load(D + row * s_d + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(XO.dtype.element_ty)
+            tl.store(XO + row * s_xo + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(HO + row * s_ho + offs, (xf * r * (1.0 + w)).to(HO.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gated_rmsnorm_kernel(X, Z, W, O, eps, rows, s_x, s_z, s_o,
+                              N: tl.constexpr, BR: tl.constexpr):
+        r0 = tl.program_id(0) * BR
+        rr = r0 + tl.arange(0, BR)
+        cols = tl.arange(0, N)
+        rmask = rr < rows
+        rr64 = rr.to(tl.int64)
+        x = tl.load(X + rr64[:, None] * s_x + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        z = tl.load(Z + rr64[:, None] * s_z + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        w = tl.load(W + cols).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 1) / N + eps)
+        t = (x * r[:, None]).to(O.dtype.element_ty).to(tl.float32)
+        t = (t * w[None, :]).to(O.dtype.element_ty).to(tl.float32)
+        out = t * (z * tl.sigmoid(z))
+        tl.store(O + rr64[:, None] * s_o + cols[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None])
+
+    @triton.jit
+    def _silu_mul_kernel(GU, O, I, s_gu, s_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        g = tl.load(GU + row * s_gu + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * s_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(O.dtype.element_ty).to(tl.float32)
+        tl.store(O + row * s_o + offs, (s * u).to(O.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x, delta, weight, eps):
+    """Fused residual add + zero-centred RMSNorm over the last dim of 2-D x: returns (x', h)."""
+    if not use_triton(x) or x.dim() != 2:
+        return ref_add_rmsnorm(x, delta, weight, eps)
+    n_rows, n = x.shape
+    xo = torch.empty_like(x) if delta is not None else x
+    ho = torch.empty_like(x)
+    d = delta if delta is not None else x
+    assert x.stride(1) == 1 and d.stride(1) == 1
+    _add_rmsnorm_kernel[(n_rows,)](
+        x, d, weight, xo, ho, eps, n, x.stride(0), d.stride(0), xo.stride(0), ho.stride(0),
+        HAS_D=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4,
+    )
+    return xo, ho
+
+
+def gated_rmsnorm(x, z, weight, eps):
+    """x, z [rows, d] (d a power of two) -> GatedRMSNorm(x, z)."""
+    if not use_triton(x):
+        return ref_gated_rmsnorm(x, z, weight, eps)
+    rows, n = x.shape
+    assert x.stride(1) == 1 and z.stride(1) == 1 and n == triton.next_power_of_2(n)
+    out = torch.empty_like(x)
+    br = 16
+    _gated_rmsnorm_kernel[(triton.cdiv(rows, br),)](
+        x, z, weight, out, eps, rows, x.stride(0), z.stride(0), out.stride(0), N=n, BR=br, num_warps=4,
+    )
+    return out
+
+
+def silu_mul(gu):
+    """gu [rows, 2I] = [gate | up] -> silu(gate) * up [rows, I]."""
+    if not use_triton(gu):
+        return ref_silu_mul(gu)
+    rows, two_i = gu.shape
+    i = two_i // 2
+    out = torch.empty(rows, i, dtype=gu.dtype, device=gu.device)
+    block = 1024
+    assert gu.stride(1) == 1
+    _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block,
+                                                    num_warps=4)
+    return out

@@ -90,7 +90,20 @@ class GpuQwen35Runner(Qwen35Runner):
     def configure(self, cuda_graph: bool | None = None) -> None:
         if cuda_graph is not None:
             self.cuda_graph = bool(cuda_graph)
-            self._graphs.clear()
+            self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget captured graphs and their memory pool (they point into the current cache)."""
+        self._graphs.clear()
+        self._pool = None
+
+    def free_cache(self) -> None:
+        """Release the cache tensors and the graphs that reference them (before a re-allocation)."""
+        self._drop_graphs()
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @property
     def graphs_enabled(self) -> bool:
@@ -98,11 +111,11 @@ class GpuQwen35Runner(Qwen35Runner):
 
     # ---- cache: one scratch page and one scratch slot past the engine's pool ------------------
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
+        self.free_cache()
         super().allocate_cache(num_pages + 1, num_slots + 1, page_size)
         self.num_pages, self.num_slots = num_pages, num_slots
         self.scratch_page, self.scratch_slot = num_pages, num_slots
         self.table_width = num_pages
-        self._graphs.clear()
         self._meta_host = torch.zeros(MAX_GRAPH_BATCH, _META + self.table_width, dtype=torch.int64)
         if self.device.type == "cuda":
             self._meta_host = self._meta_host.pin_memory()
@@ -197,14 +210,26 @@ class GpuQwen35Runner(Qwen35Runner):
         model, cache = self.model, self.cache
         x = model.embed_tokens(ids)
         cos, sin = model.rotary.cos_sin(pos, x.dtype)
-        for i, layer in enumerate(model.layers):
-            h = layer.input_layernorm(x)
+
+        def mixer(i, layer, h):
             if layer.layer_type == "linear_attention":
-                x = x + self._gdn_decode(i, layer.linear_attn, h, slots)
-            else:
-                x = x + self._attn_decode(i, layer.self_attn, h, cos, sin, table, lens, wpage, wrow)
-            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
-        return model.norm(x)
+                return self._gdn_decode(i, layer.linear_attn, h, slots)
+            return self._attn_decode(i, layer.self_attn, h, cos, sin, table, lens, wpage, wrow)
+
+        return self._stack(x, mixer)
+
+    def _stack(self, x, mixer):
+        """The decoder stack with fused residual-add + norm: x += mixer(norm(x)); x += mlp(norm(x));
+        returns the final-normed hidden states."""
+        model = self.model
+        layers = model.layers
+        x, h = K.add_rmsnorm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, layer in enumerate(layers):
+            post = layer.post_attention_layernorm
+            x, h = K.add_rmsnorm(x, mixer(i, layer, h), post.weight, post.eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+            x, h = K.add_rmsnorm(x, self._mlp(i, layer.mlp, h), nxt.weight, nxt.eps)
+        return h
 
     def _gdn_decode(self, i, mod, h, slots):
         b = h.shape[0]
@@ -220,7 +245,7 @@ class GpuQwen35Runner(Qwen35Runner):
             conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
             mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
         )
-        out = mod.norm(core, z.reshape(core.shape))
+        out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
         return F.linear(out.reshape(b, vd), mod.out_proj.weight)
 
     def _attn_project(self, i, mod, h, cos, sin):
@@ -247,8 +272,7 @@ class GpuQwen35Runner(Qwen35Runner):
         w = self.fused[i].w_gu
         if w is None:  # MoE block: its own forward
             return mlp(h)
-        gate, up = F.linear(h, w).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+        return F.linear(K.silu_mul(F.linear(h, w)), mlp.down_proj.weight)
 
     # ---- prefill (and any multi-token forward) ---------------------------------------------
     def _forward(self, segs, tokens: list[int]) -> torch.Tensor:
@@ -272,19 +296,18 @@ class GpuQwen35Runner(Qwen35Runner):
         wpage, wrow = pages[pos // ps].long(), pos % ps
         x = model.embed_tokens(ids)
         cos, sin = model.rotary.cos_sin(pos, x.dtype)
-        for i, layer in enumerate(model.layers):
-            h = layer.input_layernorm(x)
+
+        def mixer(i, layer, h):
             if layer.layer_type == "linear_attention":
-                x = x + self._gdn_prefill(i, layer.linear_attn, h, seg.slot)
-            else:
-                q, gate, k, v = self._attn_project(i, layer.self_attn, h, cos, sin)
-                kc, vc = cache.kv[i]
-                kc[wpage, wrow] = k.to(kc.dtype)
-                vc[wpage, wrow] = v.to(vc.dtype)
-                o = K.paged_prefill_attention(q, kc, vc, pages, seg.start, layer.self_attn.scale)
-                x = x + layer.self_attn.finish(o, gate)
-            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
-        return model.norm(x)
+                return self._gdn_prefill(i, layer.linear_attn, h, seg.slot)
+            q, gate, k, v = self._attn_project(i, layer.self_attn, h, cos, sin)
+            kc, vc = cache.kv[i]
+            kc[wpage, wrow] = k.to(kc.dtype)
+            vc[wpage, wrow] = v.to(vc.dtype)
+            o = K.paged_prefill_attention(q, kc, vc, pages, seg.start, layer.self_attn.scale)
+            return layer.self_attn.finish(o, gate)
+
+        return self._stack(x, mixer)
 
     def _gdn_prefill(self, i, mod, h, slot: int):
         t = h.shape[0]
@@ -296,5 +319,5 @@ class GpuQwen35Runner(Qwen35Runner):
         conv_out, new_conv = causal_conv_prefill(mixed.t(), conv_all[slot], mod.conv1d.weight[:, 0, :])
         conv_all[slot] = new_conv.to(conv_all.dtype)
         core = gdn_prefill(mod, conv_out.t().contiguous(), a_raw, b_raw, self.cache.ssm[i], slot)
-        out = mod.norm(core, z.reshape(core.shape))
+        out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
         return F.linear(out.reshape(t, vd), mod.out_proj.weight)

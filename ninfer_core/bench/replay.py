@@ -1,0 +1,302 @@
+"""`ninfer bench --conversations`: replay scripted agent sessions through the context cache.
+
+The project generates the sessions (seeded, no data downloaded): an append-only multi-turn chat, a
+tool loop, a regenerated last reply, an edited last user message, a branch from an earlier turn,
+two clients sharing a system prompt, and an Anthropic-shaped session with cache_control markers.
+Each turn is rendered with the chat template, served by an Engine with the checkpoint catalog, and
+(for the time to first token) served again from root by a second, root-only Engine over the same
+weights. The assistant's reply in the next turn's history is the text the model generated, as a
+client would send it back.
+
+Printed per scenario: prompt tokens reused / prompt tokens over the turns after the first, the
+reuse of the previous turn's prompt (append-only and tool-loop turns), the distance from the
+divergence point to the resumed frontier (regenerate, edit, branch), and the median time to first
+token warm / cold, all measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORDS = ("cache kernel state page token prefix anchor branch window layer tensor request stream lane "
+         "engine slot queue frontier digest checkpoint image host device memory budget planner").split()
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--conversations", action="store_true",
+                   help="replay scripted agent sessions through the context cache and print reuse and TTFT")
+    p.add_argument("--turns", type=int, default=6, help="turns per scripted session")
+    p.add_argument("--system-tokens", type=int, default=1500, help="approximate system prompt size")
+    p.add_argument("--reply-tokens", type=int, default=48, help="tokens generated per turn")
+    p.add_argument("--auto-long-anchors", action="store_true", help="serve with --auto-long-anchors")
+    p.add_argument("--branch-anchors", action="store_true", help="serve with --branch-anchors")
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@dataclass
+class Turn:
+    messages: list[dict]
+    tools: list[dict] | None = None
+    markers: list[str] = field(default_factory=list)  # message texts whose end is a cache marker
+    diverges_at: str | None = None  # the message text where this turn departs from the previous one
+    kind: str = "append"  # append | regenerate | edit | branch | first
+    client: int = 0  # sessions of different clients interleave; "previous turn" is per client
+
+
+@dataclass
+class Scenario:
+    name: str
+    turns: list  # list[Turn] or callables(prev_reply_texts) -> Turn
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+def build_scenarios(rng: random.Random, turns: int, system_tokens: int) -> list[tuple[str, Any]]:
+    """Each scenario is a generator function (serve) -> None that calls serve(Turn) per turn and
+    reads back the reply text."""
+    system = {"role": "system", "content": _text(rng, system_tokens // 2)}
+
+    def user(n=40):
+        return {"role": "user", "content": _text(rng, n)}
+
+    def append_only(serve):
+        msgs = [system, user()]
+        for i in range(turns):
+            reply = serve(Turn(list(msgs), kind="first" if i == 0 else "append"))
+            msgs += [{"role": "assistant", "content": reply}, user()]
+
+    def tool_loop(serve):
+        msgs = [system, user()]
+        for i in range(turns):
+            serve(Turn(list(msgs), tools=TOOLS, kind="first" if i == 0 else "append"))
+            call = {"role": "assistant", "content": "",
+                    "tool_calls": [{"id": f"call_{i}", "type": "function",
+                                    "function": {"name": "read_file", "arguments": {"path": f"src/m{i}.py"}}}]}
+            msgs += [call, {"role": "tool", "tool_call_id": f"call_{i}", "content": _text(rng, 150)}]
+
+    def regenerate(serve):
+        msgs = [system, user()]
+        for i in range(turns - 1):
+            reply = serve(Turn(list(msgs), kind="first" if i == 0 else "append"))
+            msgs += [{"role": "assistant", "content": reply}, user()]
+        last_user = msgs[-1]["content"]
+        serve(Turn(list(msgs), kind="regenerate", diverges_at=None))
+        serve(Turn(list(msgs), kind="regenerate", diverges_at=last_user))
+
+    def edit_last(serve):
+        msgs = [system, user()]
+        for i in range(turns - 1):
+            reply = serve(Turn(list(msgs), kind="first" if i == 0 else "append"))
+            msgs += [{"role": "assistant", "content": reply}, user()]
+        edited = dict(user())
+        serve(Turn(msgs[:-1] + [edited], kind="edit", diverges_at=edited["content"]))
+
+    def branch(serve):
+        msgs = [system, user()]
+        history = []
+        for i in range(turns):
+            reply = serve(Turn(list(msgs), kind="first" if i == 0 else "append"))
+            history.append(list(msgs) + [{"role": "assistant", "content": reply}])
+            msgs += [{"role": "assistant", "content": reply}, user()]
+        at = history[turns // 2]
+        fork = user()
+        serve(Turn(at + [fork], kind="branch", diverges_at=fork["content"]))
+
+    def shared_system(serve):
+        a, b = [system, user()], [system, user()]
+        for i in range(turns // 2):
+            for client, msgs in enumerate((a, b)):
+                reply = serve(Turn(list(msgs), kind="first" if i == 0 else "append", client=client))
+                msgs += [{"role": "assistant", "content": reply}, user()]
+        serve(Turn([system, user()], kind="shared", client=2))  # a third client over the published prefix
+
+    def anthropic_markers(serve):
+        msgs = [system, user()]
+        for i in range(turns):
+            marked = [system["content"], msgs[-1]["content"]]  # cache_control on system and last user block
+            reply = serve(Turn(list(msgs), markers=marked, kind="first" if i == 0 else "append"))
+            msgs += [{"role": "assistant", "content": reply}, user()]
+
+    return [("append_only", append_only), ("tool_loop", tool_loop), ("regenerate_last", regenerate),
+            ("edit_last_user", edit_last), ("branch_earlier_turn", branch),
+            ("two_clients_shared_system", shared_system), ("anthropic_cache_control", anthropic_markers)]
+
+
+# -- serving ---------------------------------------------------------------------------------------
+def _marker_positions(tok, template, turn: Turn, ids: list[int]) -> list[int]:
+    """Token frontiers right after each marked message (found by rendering the prefix up to it)."""
+    out = []
+    for text in turn.markers:
+        for i, m in enumerate(turn.messages):
+            if m.get("content") == text:
+                prefix = tok.encode(template.render(turn.messages[: i + 1], tools=turn.tools,
+                                                    add_generation_prompt=False, enable_thinking=False))
+                if ids[: len(prefix)] == prefix:
+                    out.append(len(prefix))
+                break
+    return out
+
+
+def _divergence(tok, template, turn: Turn, ids: list[int], previous: list[int] | None) -> int | None:
+    if previous is None:
+        return None
+    n = 0
+    for a, b in zip(ids, previous):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+async def _generate(engine, ids, hints, max_tokens):
+    from ninfer_core.engine.api import GenerationRequest, SamplingParams
+
+    handle = engine.submit(GenerationRequest(prompt_ids=ids, sampling=SamplingParams(temperature=0.0),
+                                             max_tokens=max_tokens, checkpoint_hints=hints, ignore_eos=True))
+    out, fin = [], None
+    async for ev in handle.events():
+        if ev.kind == "delta":
+            out.extend(ev.token_ids)
+        elif ev.kind == "finish":
+            fin = ev
+        elif ev.kind == "error":
+            raise RuntimeError(ev.error.message)
+    return out, fin
+
+
+def run_replay(a: argparse.Namespace) -> int:
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.config import EngineOptions
+    from ninfer_core.engine.cache import derive_hints
+    from ninfer_core.engine.engine import Engine
+    from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
+    from ninfer_core.server.serve import cache_dir
+    from ninfer_core.tokenizer import Tokenizer
+    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+
+    host = PluginHost(PluginSelection.from_sources(a.plugin))
+    try:
+        path = a.shape if str(a.shape).endswith(".ninfer") else host.default_artifact(str(cache_dir()))
+        art = Artifact.open(path)
+        reg = host.family_for_architecture(art.architecture)
+    except (PluginError, OSError, Exception) as e:  # noqa: BLE001 - reported, exit 1
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    target = reg.load()
+    family = target() if isinstance(target, type) else target
+    tok = Tokenizer.from_section(art.tokenizer_section)
+    template = ChatTemplate(art.chat_template or QWEN35_TEMPLATE)
+    device = "cpu" if a.device == "cuda" and not _cuda() else a.device
+    common = dict(max_context=32768, kv_capacity=65536, prefill_chunk=1024, max_concurrency=1)
+    warm = Engine(family.load(art, device=device), tok, EngineOptions(
+        **common, prefix_reuse=True, auto_long_anchors=a.auto_long_anchors, branch_anchors=a.branch_anchors,
+        max_private_continuations=8))
+    cold = Engine(family.load(art, device=device), tok, EngineOptions(**common, prefix_reuse=False))
+    warm.start()
+    cold.start()
+    rng = random.Random(a.seed)
+    rows = []
+    idle = True
+    print(f"replay: {art.name} on {device}, {a.turns} turns per session, reply {a.reply_tokens} tokens, "
+          f"auto_long_anchors={a.auto_long_anchors} branch_anchors={a.branch_anchors}", flush=True)
+    try:
+        for name, script in build_scenarios(rng, a.turns, a.system_tokens):
+            stats = {"prompt": 0, "reused": 0, "warm_ms": [], "cold_ms": [], "prev_ratio": [], "gap": [],
+                     "sources": {}}
+            last_of: dict[int, list[int]] = {}
+            first = [True]
+
+            def serve(turn: Turn) -> str:
+                previous = last_of.get(turn.client)
+                ids = tok.encode(template.render(turn.messages, tools=turn.tools, add_generation_prompt=True,
+                                                 enable_thinking=False))
+                hints = derive_hints(tok, ids)
+                hints.markers = _marker_positions(tok, template, turn, ids)
+                before = dict(warm.snapshot()["context_cache"]["selections"])
+                out, fin = asyncio.run(_generate(warm, ids, hints, a.reply_tokens))
+                after = warm.snapshot()["context_cache"]["selections"]
+                source = next((k for k in after if after[k] != before[k]), "?")
+                cached = fin.usage.cached_tokens
+                if not first[0]:
+                    _, cfin = asyncio.run(_generate(cold, ids, None, 1))
+                    stats["prompt"] += len(ids)
+                    stats["reused"] += cached
+                    stats["warm_ms"].append(fin.timings["prompt_ms"])
+                    stats["cold_ms"].append(cfin.timings["prompt_ms"])
+                    stats["sources"][source] = stats["sources"].get(source, 0) + 1
+                    if turn.kind == "append" and previous is not None:
+                        stats["prev_ratio"].append(min(cached, len(previous)) / len(previous))
+                    if turn.kind in ("regenerate", "edit", "branch"):
+                        div = _divergence(tok, template, turn, ids, previous)
+                        stats["gap"].append((div if div is not None else len(ids)) - cached)
+                first[0] = False
+                last_of[turn.client] = ids
+                return tok.decode(out)
+
+            script(serve)
+            # Pool accounting: audited against the holders, then back to idle once cleared.
+            with warm._cv:
+                warm.cache.audit(list(warm.scheduler.lanes))
+            warm.run_control(warm.cache.clear).result(60)
+            snap = warm.snapshot()
+            scenario_idle = (snap["pages_free"] == snap["pages_total"] and snap["slots_free"] == snap["slots_total"]
+                             and snap["context_cache"]["checkpoints"] == 0
+                             and snap["context_cache"]["device_state_slots_used"] == 0
+                             and snap["context_cache"]["host_state_slots_used"] == 0)
+            idle = idle and scenario_idle
+            w, c = statistics.median(stats["warm_ms"]), statistics.median(stats["cold_ms"])
+            rows.append({"scenario": name, "reused": stats["reused"], "prompt": stats["prompt"],
+                         "reuse_ratio": stats["reused"] / max(stats["prompt"], 1),
+                         "prev_turn_reuse_min": min(stats["prev_ratio"]) if stats["prev_ratio"] else None,
+                         "divergence_gap_max": max(stats["gap"]) if stats["gap"] else None,
+                         "ttft_warm_ms": w, "ttft_cold_ms": c, "warm_over_cold": w / c if c else None,
+                         "sources": stats["sources"]})
+    finally:
+        warm.shutdown(timeout=60)
+        cold.shutdown(timeout=60)
+    _print_table(rows)
+    print(f"pool accounting after every scenario (catalog cleared): {'idle' if idle else 'NOT IDLE'}")
+    if getattr(a, "json", None):
+        with open(a.json, "w") as f:
+            json.dump({"replay": rows, "idle": idle}, f, indent=2)
+    return 0 if idle else 1
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _print_table(rows: list[dict]) -> None:
+    head = (f"{'scenario':<28} {'reused/prompt':>17} {'ratio':>6} {'prev-turn':>9} {'gap':>5} "
+            f"{'TTFT warm/cold ms':>19} {'w/c':>6}  sources")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        prev = f"{r['prev_turn_reuse_min']:.3f}" if r["prev_turn_reuse_min"] is not None else "-"
+        gap = str(r["divergence_gap_max"]) if r["divergence_gap_max"] is not None else "-"
+        src = ", ".join(f"{k}:{v}" for k, v in sorted(r["sources"].items()))
+        print(f"{r['scenario']:<28} {r['reused']:>8}/{r['prompt']:<8} {r['reuse_ratio']:>6.3f} {prev:>9} {gap:>5} "
+              f"{r['ttft_warm_ms']:>9.1f}/{r['ttft_cold_ms']:<9.1f} {r['warm_over_cold'] or 0:>6.3f}  {src}")
+    print("ratio: prompt tokens reused / prompt tokens over the turns after each session's first; prev-turn: the "
+          "least share of the previous turn's prompt an append turn reused; gap: most tokens between the "
+          "divergence point and the resumed frontier; TTFT: median admission-to-first-token, warm (this cache) "
+          "and cold (root-only engine, same prompt)")
