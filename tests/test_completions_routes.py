@@ -172,3 +172,19 @@ def test_kv_pool_refusals_name_the_raw_fields(raw_app):
     assert_error(post(client, prompt=[11] * 300), 400, "context_length_exceeded", "prompt")
     assert post(client, max_tokens=100).json()["choices"][0]["text"] == OUTPUT
     assert_idle(engine)
+
+
+def test_long_raw_prompts_keep_a_checkpoint_one_token_short(app):
+    client, _, engine, _ = app
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda req: (seen.append(req), submit(req))[1]
+    assert post(client, max_tokens=1).status_code == 200
+    short = seen[-1].checkpoint_hints
+    assert short.turn_closure is None and short.boundaries == [] and short.stable_prefix is None
+    # a raw prompt has no message structure, even when it holds ChatML control tokens
+    ids = [248045] + [11] * 600
+    assert client.post("/completion", json={"prompt": ids, "n_predict": 1}).status_code == 200
+    long = seen[-1].checkpoint_hints
+    assert long.turn_closure == len(ids) - 1 and long.boundaries == [] and long.stable_prefix is None
+    assert_idle(engine)

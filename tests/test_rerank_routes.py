@@ -212,3 +212,29 @@ def test_overload(app):
     ctx.ingress.admitted = 0
     assert client.post("/v1/rerank", json={"query": QUERY, "documents": DOCS}).status_code == 200
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("doc", ["The giant panda is a bear.", "2024: a year", "(aside) text", "naïve café",
+                                 "Bamboo\nwith lines"])
+def test_split_encoding_equals_whole_text(doc):
+    tok = qwen_tokenizer()
+    judge = Judge(tok)
+    whole = tok.encode(f"<Instruct>: {DEFAULT_INSTRUCTION}\n<Query>: {QUERY}\n<Document>: {doc}",
+                       allow_special=False)
+    ids = judge.prompt(DEFAULT_INSTRUCTION, QUERY, doc)
+    head = judge.shared(DEFAULT_INSTRUCTION, QUERY)
+    assert ids[: len(head)] == head
+    assert ids == judge._head + whole + judge._tail
+
+
+def test_judgements_share_the_judging_prefix(app):
+    client, _, engine, _ = app
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda req: (seen.append(req), submit(req))[1]
+    assert client.post("/v1/rerank", json={"query": QUERY, "documents": DOCS}).status_code == 200
+    shared = len(Judge(qwen_tokenizer()).shared(DEFAULT_INSTRUCTION, QUERY))
+    assert len(seen) == 3
+    assert all(r.checkpoint_hints.stable_prefix == shared and r.max_tokens == 0 for r in seen)
+    assert len({tuple(r.prompt_ids[:shared]) for r in seen}) == 1
+    assert_idle(engine)

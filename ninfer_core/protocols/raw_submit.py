@@ -13,9 +13,14 @@ from typing import Any
 import anyio
 
 from ninfer_core.engine.api import EngineError, GenerationRequest, SamplingParams
+from ninfer_core.engine.checkpoints import CheckpointHints
 from ninfer_core.protocols.raw_prompt import RawPlan, output_limit, raw_sampling, tokenize_prompt
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
+
+# Spec "Raw-prompt completion": below this a regenerated prompt is cheaper to prefill than the extra
+# capture pass its checkpoint costs.
+RAW_CHECKPOINT_MIN = 512
 
 
 @dataclass
@@ -50,7 +55,7 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan) -> RawSubm
         gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
                                 ignore_eos=plan.ignore_eos,
                                 request_id=request.scope.get("state", {}).get("request_id", ""),
-                                deadline=deadline)
+                                deadline=deadline, checkpoint_hints=raw_hints(len(ids)))
         handle = ctx.engine.submit(gen)
     except EngineError as e:
         release()
@@ -67,6 +72,15 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan) -> RawSubm
     if n_predict is None:
         n_predict = max_tokens if max_tokens is not None else ctx.engine.default_output_limit(len(ids))
     return RawSubmission(handle, ids, sampling, int(n_predict), release)
+
+
+def raw_hints(prompt_tokens: int) -> CheckpointHints:
+    """A raw prompt has no message structure to checkpoint inside it; one of at least
+    RAW_CHECKPOINT_MIN tokens keeps a private checkpoint one token short of its end, so the same
+    prompt sent again (a regenerated completion) resumes there."""
+    if prompt_tokens >= RAW_CHECKPOINT_MIN:
+        return CheckpointHints(turn_closure=prompt_tokens - 1)
+    return CheckpointHints()
 
 
 class LiveTimings:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, GenerationRequest, SamplingParams
+from ninfer_core.engine.checkpoints import CheckpointHints
 from ninfer_core.protocols.raw_prompt import WireModel, check_model
 from ninfer_core.protocols.raw_submit import cancelled_error, unfinished_error
 from ninfer_core.server.context import ServerContext
@@ -129,9 +130,17 @@ class Judge:
     def _markup(self, text: str) -> list[int]:
         return self.tok.encode(text, allow_special=True)
 
-    def prompt(self, instruction: str, query: str, document: str) -> list[int]:
-        body = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
-        return self._head + self.tok.encode(body, allow_special=False) + self._tail
+    def shared(self, instruction: str, query: str) -> list[int]:
+        """The judging prefix every document of one request shares (the context cache keeps it)."""
+        return self._head + self.tok.encode(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>:",
+                                            allow_special=False)
+
+    def prompt(self, instruction: str, query: str, document: str,
+               shared: list[int] | None = None) -> list[int]:
+        # ":" and the space-led first word are separate pre-tokens, so encoding the document on its
+        # own after the shared prefix gives the ids the whole text would have
+        head = shared if shared is not None else self.shared(instruction, query)
+        return head + self.tok.encode(" " + document, allow_special=False) + self._tail
 
     @property
     def score_ids(self) -> list[int]:
@@ -184,8 +193,9 @@ class Rerank:
         ctx.ingress.acquire()
         try:
             judge = Judge(ctx.tokenizer)
+            shared = judge.shared(plan.instruction, plan.query)
             prompts = await anyio.to_thread.run_sync(
-                lambda: [judge.prompt(plan.instruction, plan.query, d) for d in plan.documents])
+                lambda: [judge.prompt(plan.instruction, plan.query, d, shared) for d in plan.documents])
             request_id = request.scope.get("state", {}).get("request_id", "")
             handles: list[Any] = []
 
@@ -195,7 +205,7 @@ class Rerank:
 
             try:
                 odds = await unless_disconnected(
-                    request, self._judge_all(ctx, judge, prompts, request_id, handles,
+                    request, self._judge_all(ctx, judge, prompts, len(shared), request_id, handles,
                                              "texts" if plan.tei else "documents"), cancel_all)
             except ClientDisconnected:
                 return Response(status_code=499)
@@ -203,8 +213,8 @@ class Rerank:
             ctx.ingress.release()
         return JSONResponse(self._response(ctx, plan, odds, sum(len(p) for p in prompts)))
 
-    async def _judge_all(self, ctx: ServerContext, judge: Judge, prompts: list[list[int]], request_id: str,
-                         handles: list[Any], field: str) -> list[float]:
+    async def _judge_all(self, ctx: ServerContext, judge: Judge, prompts: list[list[int]], shared: int,
+                         request_id: str, handles: list[Any], field: str) -> list[float]:
         """Judge every prompt, a lane's worth (--max-concurrency) at a time; the first failure
         cancels the judgements still running and fails the request."""
         lanes = asyncio.Semaphore(max(1, ctx.options.engine.max_concurrency))
@@ -215,7 +225,8 @@ class Rerank:
             async with lanes:
                 gen = GenerationRequest(prompt_ids=prompts[i], sampling=greedy, max_tokens=0,
                                         request_id=f"{request_id}-{i}" if request_id else "",
-                                        deadline=deadline, score_token_ids=judge.score_ids)
+                                        deadline=deadline, score_token_ids=judge.score_ids,
+                                        checkpoint_hints=CheckpointHints(stable_prefix=shared))
                 try:
                     handle = ctx.engine.submit(gen)
                 except EngineError as e:
