@@ -216,3 +216,15 @@ def test_logs_hold_no_prompt_or_output(live_server, http):
     http.post("/completion", json={"prompt": PROMPT, "n_predict": 2})
     log = live_server.log()
     assert SECRET not in log
+
+
+def test_regenerated_long_prompt_resumes_one_token_short(http, tokenizer):
+    ids = tokenizer.encode(" ".join(f"w{i}" for i in range(400)))
+    assert len(ids) >= 512
+    req = {"prompt": ids, "n_predict": 4, "return_tokens": True, **GREEDY}
+    first = http.post("/completion", json=req).json()
+    again = http.post("/completion", json=req).json()
+    assert again["tokens"] == first["tokens"]  # the resumed state gives the same greedy output
+    assert again["tokens_cached"] == len(ids) - 1 == again["timings"]["cache_n"]
+    assert again["timings"]["prompt_n"] == 1
+    wait_idle(http)
