@@ -408,6 +408,14 @@ class Engine:
         log.info("request %s %s (%s): prompt %d tokens (%d cached) in %.0f ms, %d output tokens at %.1f tok/s",
                  seq.request_id, reason, stop_reason or "-", seq.prompt_len, t.get("cache_n", 0) or 0,
                  t.get("prompt_ms", 0.0) or 0.0, len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0)
+        facts = seq.thinking.facts() if seq.thinking is not None else None
+        if facts is not None:  # the requested budget, and the effective one when it differs
+            budget = facts["budget_requested"]
+            if budget is not None and facts["budget_effective"] not in (None, budget):
+                budget = f"{budget} (effective {facts['budget_effective']})"
+            log.info("request %s thinking: budget %s, early close %s, %d reasoning tokens, post-thinking "
+                     "sampling %s", seq.request_id, budget, facts["early_close"], facts["reasoning_tokens"],
+                     facts["post_thinking_sampling"])
         return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
                            timings=seq.timings(), matched_stop=seq.output.matched_stop,
                            scores=getattr(seq, "scores", None),
