@@ -56,7 +56,8 @@ def test_tools_accepted_and_round_trip(client, model_id, live_server):
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     for call in choice.message.tool_calls or []:
         assert call.id.startswith("call_")
-        json.loads(call.function.arguments if call.type == "function" else '"x"')
+        if call.type == "function":
+            assert isinstance(json.loads(call.function.arguments), dict)
     # a full round trip: the assistant's call and the tool result go back in the history
     history = HI + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -64,9 +65,10 @@ def test_tools_accepted_and_round_trip(client, model_id, live_server):
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18}'},
     ]
-    r2 = client.chat.completions.create(model=model_id, messages=history, tools=[WEATHER], max_tokens=6,
+    r2 = client.chat.completions.create(model=model_id, messages=history, tools=[WEATHER, SHELL], max_tokens=6,
                                         temperature=0, extra_body=NO_THINKING)
-    assert r2.choices[0].message.role == "assistant" and r2.usage.prompt_tokens > r.usage.prompt_tokens - 200
+    assert r2.choices[0].message.role == "assistant"
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result were rendered
     _wait_idle(live_server)
 
 
