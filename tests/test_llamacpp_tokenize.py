@@ -77,7 +77,11 @@ def test_apply_template(app):
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     with_tools = client.post("/apply-template", json={"messages": HI, "tools": tools}).json()["prompt"]
     assert "get_weather" in with_tools and with_tools.endswith("<|im_start|>assistant\n<think>\n")
-    # the rendered text is what a chat request submits: re-encoding it gives the same ids
+    forced = client.post("/apply-template", json={
+        "messages": HI, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}
+    }).json()["prompt"]
+    assert forced.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n<function=get_weather>\n")
+    # the rendered text is the chat template's own rendering
     rendered = ctx.chat_template.render(HI, add_generation_prompt=True, enable_thinking=True)
     assert prompt == rendered
     assert runner.calls == []
@@ -132,4 +136,27 @@ def test_host_routes_answer_while_generation_is_full(app):
     assert client.post("/detokenize", json={"tokens": [1]}).status_code == 200
     assert client.post("/apply-template", json={"messages": HI}).status_code == 200
     ctx.ingress.admitted = 0
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"enable_thinking": False},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+     "tool_choice": "required"},
+    {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b", "reasoning_content": "r"}, {"role": "user", "content": "c"}],
+     "chat_template_kwargs": {"preserve_thinking": True}},
+])
+def test_apply_template_is_the_prompt_chat_submits(app, extra):
+    client, ctx, engine, _ = app
+    body = {"messages": HI, "max_tokens": 1, **extra}
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda req: (seen.append(req), submit(req))[1]
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    rendered = client.post("/apply-template", json=body).json()["prompt"]
+    assert rendered == ctx.tokenizer.decode(seen[-1].prompt_ids, skip_special=False)
+    assert ctx.tokenizer.encode(rendered) == seen[-1].prompt_ids
     assert_idle(engine)

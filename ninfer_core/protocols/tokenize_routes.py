@@ -15,7 +15,7 @@ from ninfer_core import hookimpl
 from ninfer_core.protocols.raw_prompt import WireModel, single_prompt, tokenize_prompt, vocab_limit
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
-from ninfer_core.server.prepare import render_prompt_ids
+from ninfer_core.server.prepare import forced_call_ids, render_prompt_ids
 
 
 class TokenizeRequest(WireModel):
@@ -80,8 +80,11 @@ def apply_template(ctx: ServerContext, raw: bytes) -> dict:
     from ninfer_core.protocols.openai_chat_request import validate_body
 
     plan = validate_body(raw, ctx)
-    prompt = render_prompt_ids(ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs)
-    return {"prompt": ctx.tokenizer.decode(prompt.ids, skip_special=False)}
+    ids = render_prompt_ids(ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs).ids
+    forced = getattr(plan, "forced_tool", None)
+    if forced is not None:  # a forced call ends the prompt with its opener, as the chat route submits it
+        ids = ids + forced_call_ids(ctx.tokenizer, forced)
+    return {"prompt": ctx.tokenizer.decode(ids, skip_special=False)}
 
 
 class TokenizerRoutes:
