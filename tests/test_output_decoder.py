@@ -23,8 +23,10 @@ CORPUS = [
     ("Text with <b>html</b> and a < sign", False, True, "", "Text with <b>html</b> and a < sign", []),
     ("Markup <tool_call> that never opens a function.", False, True, "",
      "Markup <tool_call> that never opens a function.", []),
-    ("Quoted <function=run></function> then real:\n" + CALL, False, True, "",
-     "Quoted <function=run></function> then real:", [("run", {"cmd": "ls", "n": 2})]),
+    ("Quoted <function=run>...</function> then real:\n" + CALL, False, True, "",
+     "Quoted <function=run>...</function> then real:", [("run", {"cmd": "ls", "n": 2})]),
+    # the first marker opens with a complete call: that region is the turn, trailing text dropped
+    ("First <function=run></function> then more:\n" + CALL, False, True, "", "First", [("run", {})]),
     (CALL + "\n" + CALL.replace("ls", "pwd"), False, True, "", "",
      [("run", {"cmd": "ls", "n": 2}), ("run", {"cmd": "pwd", "n": 2})]),
     ("trailing spaces kept   ", False, True, "", "trailing spaces kept   ", []),

@@ -183,3 +183,14 @@ def test_marker_helpers():
     assert opens_function("<tool_call>\nhello", 0) is False
     assert opens_function('<invoke name="x"', 0) is None
     assert opens_function('<invoke name="x">', 0) is True
+
+
+def test_a_complete_first_call_is_the_turn_even_before_more_text():
+    text = "Note " + qwen("run", cmd="a") + " and prose, then " + qwen("run", cmd="b")
+    res = parse_tool_calls(text, SCHEMAS)
+    assert res.content == "Note" and calls(res) == [("run", {"cmd": "a"})]
+    assert res.trailing_dropped and res.recovered
+    # an incomplete first marker does not claim the turn: the later complete region does
+    text = "Write <tool_call>\n<function=run> like so. " + qwen("run", cmd="b")
+    res = parse_tool_calls(text, SCHEMAS)
+    assert calls(res) == [("run", {"cmd": "b"})] and res.content == "Write <tool_call>\n<function=run> like so."

@@ -7,9 +7,11 @@ Forms (spec, "OpenAI Chat Completions"; every opening tag is closed by its own k
           bare or inside a <function_calls> ... </function_calls> (or <tool_call>) container.
 
 `parse_tool_calls(text, schemas)` splits a finished answer into its content prefix and the calls:
-1. markers (the first 16 occurrences of an opener) are tried in order; the first region that
-   parses completely and consumes the rest of the answer is the structured turn, and quoted
-   markup before it stays content;
+1. when the first marker's region opens with a complete call, that region is the structured turn
+   (recovered as in 2 if it does not parse to the end); otherwise markers (the first 16
+   occurrences of an opener) are tried in order, the first region that parses completely and
+   consumes the rest of the answer is the structured turn, and quoted markup before it stays
+   content;
 2. otherwise the first region that opens a function is recovered: complete calls are kept, a call
    that cannot be read becomes a call to `malformed_tool_call` whose arguments say what went
    wrong, and text after it is dropped;
@@ -146,7 +148,8 @@ def parse_tool_calls(text: str, schemas: dict[str, dict] | None = None, *,
     """Split a finished answer into content and tool calls (see the module docstring)."""
     markers = find_markers(text, 0, max_markers)
     res = ParseResult(content=text, marker_seen=bool(markers))
-    for pos in markers:
+    first_complete = bool(markers) and _opens_with_complete_call(text, markers[0], schemas)
+    for pos in markers[:1] if first_complete else markers:
         try:
             calls, dups = _parse_region(text, pos, schemas, strict=True)
         except _Fail:
@@ -155,7 +158,7 @@ def parse_tool_calls(text: str, schemas: dict[str, dict] | None = None, *,
         res.calls = calls
         res.duplicate_parameters = dups
         return res
-    for pos in markers:
+    for pos in markers[:1] if first_complete else markers:
         if opens_function(text, pos):
             calls, dups, failure, trailing = _recover(text, pos, schemas)
             res.content = _strip_before(text[:pos])
@@ -169,6 +172,19 @@ def parse_tool_calls(text: str, schemas: dict[str, dict] | None = None, *,
     if markers:
         res.fallback = "malformed_structure"
     return res
+
+
+def _opens_with_complete_call(text: str, pos: int, schemas) -> bool:
+    i = pos
+    for opener in CONTAINERS:
+        if text.startswith(opener, i):
+            i = _skip_ws(text, i + len(opener))
+            break
+    try:
+        _parse_function(text, i, schemas)
+    except _Fail:
+        return False
+    return True
 
 
 def _strip_before(content: str) -> str:
