@@ -269,7 +269,9 @@ class Engine:
         for seq, event in ended:
             seq.post(event)
         for seq in admitted:
-            seq.post(EngineEvent("admitted", usage=Usage(prompt_tokens=seq.prompt_len)))
+            # admission has chosen the reused prefix: the uncached/cached split is final here
+            seq.post(EngineEvent("admitted", usage=Usage(prompt_tokens=seq.prompt_len,
+                                                         cached_tokens=seq.cache_n)))
         return admitted
 
     def _decode(self, batch: list[Sequence]) -> None:

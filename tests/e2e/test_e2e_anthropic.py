@@ -77,6 +77,25 @@ def test_streaming_matches_aggregate(client, live_server):
     _wait_idle(live_server)
 
 
+def test_message_start_usage_split_is_final(client, live_server):
+    msgs = [{"role": "user", "content": "Tell me about prefix reuse in one line, twice over."}]
+    usages = []
+    for _ in range(2):  # the second run reuses the first one's cached prefix
+        with client.messages.stream(model="m", max_tokens=4, messages=msgs, thinking=OFF, extra_body=GREEDY) as s:
+            start = None
+            for ev in s:
+                if ev.type == "message_start":
+                    start = ev.message.usage
+            final = s.get_final_message().usage
+        assert (start.input_tokens, start.cache_read_input_tokens) == \
+            (final.input_tokens, final.cache_read_input_tokens)
+        usages.append(final)
+    assert usages[1].cache_read_input_tokens > 0
+    assert usages[1].input_tokens + usages[1].cache_read_input_tokens == \
+        usages[0].input_tokens + usages[0].cache_read_input_tokens
+    _wait_idle(live_server)
+
+
 def test_raw_sse_lifecycle_and_request_id(live_server):
     body = {"model": "m", "max_tokens": 6, "messages": HI, "stream": True,
             "thinking": {"type": "enabled", "budget_tokens": 1024}, "temperature": 0}
