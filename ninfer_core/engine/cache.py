@@ -510,6 +510,7 @@ class ContextCache:
         for e in self.shared:
             self._drop(e.ckpt)
         self.shared = []
+        self._sightings.clear()
 
     def audit(self, lanes: list["Sequence"] = ()) -> None:
         """Check the pools against the holders: every page's reference count equals the checkpoints
