@@ -325,6 +325,11 @@ class _Run:
             raise ev.error
         if ev.kind == "finish":
             evs = b.feed(self.decoder.finish())
+            parse = self.decoder.parse
+            if parse is not None and parse.fallback != "none":  # the classification only, never the text
+                log.warning("responses tool call parse: fallback %s (recovered=%s, malformed_call=%s, "
+                            "trailing_dropped=%s)", parse.fallback, parse.recovered, parse.malformed,
+                            parse.trailing_dropped)
             usage = _usage(ev, self.counter.count)
             if ev.finish_reason == "cancelled":
                 evs += b.finish("cancelled", usage)

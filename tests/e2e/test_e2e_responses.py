@@ -291,3 +291,19 @@ def test_logprobs(client, model_id):
     done = next(e for e in events if e.type == "response.output_text.done")
     assert len(streamed) == len(done.logprobs) == events[-1].response.usage.output_tokens - (
         events[-1].type == "response.completed")
+
+
+def test_server_log_holds_no_prompt_or_output_text(client, live_server, model_id):
+    secret_prompt = "zebra-quartz-prompt-marker"
+    secret_tool = "zebra-quartz-tool-result"
+    resp = client.responses.create(
+        model=model_id, instructions="zebra-quartz-instructions", max_output_tokens=6, tools=[WEATHER],
+        input=[{"role": "user", "content": secret_prompt},
+               {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c", "output": secret_tool}])
+    out_texts = [p.text for i in resp.output if i.type in ("message", "reasoning") for p in (i.content or [])]
+    log = live_server.log()
+    assert "zebra-quartz" not in log
+    for text in out_texts:
+        if len(text.strip()) >= 8:
+            assert text not in log
