@@ -543,3 +543,26 @@ def test_prompt_cache_breakpoints_become_engine_markers(app):
     assert req.checkpoint_hints.turn_closure == starts[-1]
     post(client)
     assert engine.requests[-1].checkpoint_hints is None  # no markers: the engine derives its own hints
+
+
+def test_serve_flags():
+    import argparse
+
+    from ninfer_core.config import add_serve_arguments, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    opts = options_from_args(p.parse_args([]))
+    assert (opts.response_store_max_records, opts.response_store_max_mib, opts.lenient_assistant_history) == (
+        1024, 256, False)
+    opts = options_from_args(p.parse_args(["--response-store-max-records", "5", "--response-store-max-mib", "2",
+                                           "--lenient-assistant-history"]))
+    assert (opts.response_store_max_records, opts.response_store_max_mib, opts.lenient_assistant_history) == (
+        5, 2, True)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--response-store-max-records", "-1"])
+
+
+def test_store_budget_follows_the_flags(app):
+    client, ctx, _ = app(response_store_max_records=7, response_store_max_mib=3)
+    assert ctx.response_store.max_records == 7 and ctx.response_store.max_bytes == 3 << 20
