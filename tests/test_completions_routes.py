@@ -6,6 +6,7 @@ Over a real Engine on the toy runner with the real Qwen3.5 tokenizer and forced 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_llamacpp_helpers import assert_error, assert_idle, qwen_tokenizer, raw_app, script, sse  # noqa: F401
 
 PROMPT = "Once upon a time"
@@ -118,8 +119,9 @@ BAD = [
     ({"n": 0}, 400, "invalid_value", "n"),
     ({"best_of": 3}, 400, "best_of_not_supported", "best_of"),
     ({"best_of": 0}, 400, "invalid_value", "best_of"),
-    ({"logprobs": 2}, 400, "logprobs_not_supported", "logprobs"),
+    ({"logprobs": 21}, 400, "invalid_value", "logprobs"),
     ({"logprobs": -1}, 400, "invalid_value", "logprobs"),
+    ({"logprobs": 1, "echo": True}, 400, "logprobs_not_supported", "echo"),
     ({"logprobs": True}, 400, "invalid_type", "logprobs"),
     ({"suffix": "}"}, 400, "suffix_not_supported", "suffix"),
     ({"suffix": 3}, 400, "invalid_type", "suffix"),
@@ -187,4 +189,60 @@ def test_long_raw_prompts_keep_a_checkpoint_one_token_short(app):
     assert client.post("/completion", json={"prompt": ids, "n_predict": 1}).status_code == 200
     long = seen[-1].checkpoint_hints
     assert long.turn_closure == len(ids) - 1 and long.boundaries == [] and long.stable_prefix is None
+    assert_idle(engine)
+
+
+def test_logprobs_of_generated_tokens(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    ids = tok.encode(OUTPUT)
+    body = post(client, logprobs=3, temperature=0).json()
+    lp = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == OUTPUT
+    assert lp["tokens"] == [tok.decode([i]) for i in ids]  # the stop token has no record
+    assert lp["token_logprobs"] == pytest.approx([0.0] * len(ids), abs=1e-6)  # forced: probability 1
+    assert all(len(top) == 3 and top[t] == pytest.approx(0.0, abs=1e-6)
+               for top, t in zip(lp["top_logprobs"], lp["tokens"]))
+    offsets = [0]
+    for t in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp["text_offset"] == offsets
+    # 0 asks for nothing (as the spec's neutral value)
+    assert post(client, logprobs=0).json()["choices"][0]["logprobs"] is None
+    assert_idle(engine)
+
+
+def test_logprobs_values_and_stop_strings(raw_app):
+    client, _, engine, _ = raw_app()  # the toy model's own logits
+    tok = qwen_tokenizer()
+    from ninfer_core.engine.model_api import SeqView
+    from ninfer_core.testing import ToyRunner
+
+    prompt = tok.encode(PROMPT)
+    body = post(client, logprobs=5, temperature=0, max_tokens=6, ignore_eos=True).json()
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 6 and all(len(t) == 5 for t in lp["top_logprobs"])
+    r = ToyRunner(vocab_size=tok.vocab_size)
+    r.allocate_cache(4, 1)
+    r.reset_slot(0)
+    first = torch.log_softmax(r.prefill(SeqView(0, [0, 1, 2, 3], 0), prompt).float(), -1)
+    assert lp["token_logprobs"][0] == pytest.approx(first.max().item(), abs=1e-5)  # greedy: the top one
+    assert list(lp["top_logprobs"][0].values())[0] == pytest.approx(first.max().item(), abs=1e-5)
+    assert all(a >= b for top in lp["top_logprobs"] for a, b in zip(list(top.values()), list(top.values())[1:]))
+    # streamed records are the aggregate's, split over the chunks that carry their text
+    events = sse(post(client, logprobs=5, temperature=0, max_tokens=6, ignore_eos=True, stream=True).text)
+    streamed = [e["choices"][0]["logprobs"] for e in events[:-2]]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+    assert events[-2]["choices"][0]["logprobs"] is None  # the finish chunk
+    assert_idle(engine)
+
+
+def test_a_stop_string_drops_the_records_it_cuts(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    body = post(client, logprobs=1, temperature=0, stop=" a").json()["choices"][0]
+    assert body["text"] == " there was"
+    assert "".join(body["logprobs"]["tokens"]) == " there was"
+    assert len(body["logprobs"]["tokens"]) == len(tok.encode(" there was"))
     assert_idle(engine)

@@ -2,14 +2,18 @@
 
 A raw prompt continues without a chat template (raw_prompt.py holds the checks shared with
 llama.cpp's /completion). The response is a text_completion object with usage and llama.cpp's
-timings; echo puts the prompt text before the completion (and opens a stream with it). n, best_of
-and logprobs are served only at 1, 1 and 0; a non-empty suffix (fill-in-the-middle) is refused.
+timings; echo puts the prompt text before the completion (and opens a stream with it). n and
+best_of are served only at 1; a non-empty suffix (fill-in-the-middle) is refused. logprobs k > 0
+returns the legacy logprobs object for the generated tokens (an extension of the spec, which
+accepts only 0: the engine now computes them); the prompt's own log probabilities (echo with
+logprobs) are not available and refused.
 A stream ends with the finish chunk, the usage chunk when stream_options.include_usage asks, and
 [DONE].
 """
 
 from __future__ import annotations
 
+import codecs
 import logging
 import time
 import uuid
@@ -39,6 +43,8 @@ from ninfer_core.server.sse import (
 
 log = logging.getLogger("ninfer.server")
 
+MAX_LOGPROBS = 20  # the sampler's candidate domain (OpenAI's own API stops at 5)
+
 
 class StreamOptions(WireModel):
     include_usage: bool | None = None
@@ -60,6 +66,8 @@ class CompletionPlan:
     def __init__(self, raw: RawPlan, req: CompletionRequest):
         self.raw = raw
         self.echo = bool(req.echo)
+        # 0 (or null) gathers nothing; k > 0: each generated token's logprob and its k alternatives
+        self.logprobs = req.logprobs if req.logprobs else None
         self.include_usage = bool(raw.stream and req.stream_options and req.stream_options.include_usage)
 
 
@@ -79,11 +87,11 @@ def validate_body(raw: bytes, ctx: ServerContext) -> CompletionPlan:
     _only_one(req.n, "n", "one request produces one choice")
     _only_one(req.best_of, "best_of", "one candidate is generated per request")
     if req.logprobs is not None:
-        if req.logprobs < 0:
-            raise bad_request("invalid_value", "logprobs must be between 0 and 5.", "logprobs")
-        if req.logprobs > 0:
-            raise bad_request("logprobs_not_supported", "Token log probabilities are not served on "
-                              "/v1/completions; logprobs is accepted only at 0.", "logprobs")
+        if not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise bad_request("invalid_value", f"logprobs must be between 0 and {MAX_LOGPROBS}.", "logprobs")
+        if req.logprobs > 0 and req.echo:
+            raise bad_request("logprobs_not_supported", "Log probabilities of the prompt (echo with "
+                              "logprobs) are not available: only generated tokens have them.", "echo")
     if req.suffix:
         raise bad_request("suffix_not_supported", "A suffix (fill-in-the-middle) is not supported: the "
                           "prompt is continued at its end only.", "suffix")
@@ -97,6 +105,38 @@ def usage_dict(ev: EngineEvent) -> dict:
     completion = u.completion_tokens if u else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens if u else 0}}
+
+
+class LegacyLogprobs:
+    """OpenAI's legacy logprobs object over the engine's records of generated tokens:
+    {"tokens", "token_logprobs", "top_logprobs" ({token: logprob}), "text_offset"}.
+
+    text_offset counts characters of the returned text (a token whose bytes end inside a UTF-8
+    sequence adds none until the character completes; special tokens write no text)."""
+
+    def __init__(self, tokenizer: Any, start: int = 0):
+        self._tok = tokenizer
+        self._chars = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _text(self, token_id: int) -> str:
+        return self._tok.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def take(self, records: list | None) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for r in records or ():
+            out["tokens"].append(self._text(r.token_id))
+            out["token_logprobs"].append(r.logprob)
+            out["top_logprobs"].append({self._text(i): lp for i, lp in r.top})
+            out["text_offset"].append(self._chars)
+            if not self._tok.is_special(r.token_id):
+                self._chars += len(self._utf8.decode(self._tok.token_bytes(r.token_id)))
+        return out
+
+
+def merge_logprobs(parts: list[dict]) -> dict:
+    return {key: [v for p in parts for v in p[key]] for key in
+            ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 class Completions:
@@ -116,7 +156,7 @@ class Completions:
             plan = await anyio.to_thread.run_sync(validate_body, raw, ctx)
         else:
             plan = validate_body(raw, ctx)
-        sub = await submit_raw(request, ctx, plan.raw)
+        sub = await submit_raw(request, ctx, plan.raw, plan.logprobs)
         cid = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
         if plan.raw.stream:
@@ -137,16 +177,21 @@ class Completions:
     async def _aggregate(self, ctx: ServerContext, plan: CompletionPlan, sub: RawSubmission, cid: str,
                          created: int) -> dict:
         texts = [self._echo(ctx, plan, sub)]
+        lp = LegacyLogprobs(ctx.tokenizer, len(texts[0])) if plan.logprobs else None
+        parts: list[dict] = []
         async for ev in sub.handle.events():
             if ev.kind == "delta":
                 texts.append(ev.text)
+                if lp is not None:
+                    parts.append(lp.take(ev.logprobs))
             elif ev.kind == "error":
                 raise ev.error
             elif ev.kind == "finish":
                 if ev.finish_reason == "cancelled":
                     raise cancelled_error()
                 return {"id": cid, "object": "text_completion", "created": created, "model": ctx.model.id,
-                        "choices": [{"index": 0, "text": "".join(texts), "logprobs": None,
+                        "choices": [{"index": 0, "text": "".join(texts),
+                                     "logprobs": merge_logprobs(parts) if lp is not None else None,
                                      "finish_reason": ev.finish_reason}],
                         "usage": usage_dict(ev), "timings": ev.timings or {}}
         raise unfinished_error()
@@ -155,9 +200,11 @@ class Completions:
                       created: int) -> AsyncIterator[str]:
         model_id = ctx.model.id
 
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+        lp = LegacyLogprobs(ctx.tokenizer) if plan.logprobs else None
+
+        def chunk(text: str, finish: str | None = None, logprobs: dict | None = None, **extra: Any) -> str:
             obj = {"id": cid, "object": "text_completion", "created": created, "model": model_id,
-                   "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                   "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
             if plan.include_usage:
                 obj["usage"] = None
             obj.update(extra)
@@ -171,8 +218,9 @@ class Completions:
                     if ev is None:
                         yield KEEPALIVE
                     elif ev.kind == "delta":
-                        if ev.text:
-                            yield chunk(ev.text)
+                        records = lp.take(ev.logprobs) if lp is not None else None
+                        if ev.text or (records and records["tokens"]):
+                            yield chunk(ev.text, logprobs=records)
                     elif ev.kind == "error":
                         yield sse_data(engine_error_body(ev.error))
                         return

@@ -34,8 +34,11 @@ class RawSubmission:
     release: Any  # idempotent: gives the ingress unit back
 
 
-async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan) -> RawSubmission:
-    """Hold an ingress unit, tokenize on a worker thread, submit; the caller must `release()`."""
+async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: int | None = None
+                     ) -> RawSubmission:
+    """Hold an ingress unit, tokenize on a worker thread, submit; the caller must `release()`.
+
+    `logprobs` (k) asks the engine for each generated token's log probability and k alternatives."""
     deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
     ctx.ingress.acquire()
     released = False
@@ -55,7 +58,7 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan) -> RawSubm
         gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
                                 ignore_eos=plan.ignore_eos,
                                 request_id=request.scope.get("state", {}).get("request_id", ""),
-                                deadline=deadline, checkpoint_hints=raw_hints(len(ids)))
+                                deadline=deadline, checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs)
         handle = ctx.engine.submit(gen)
     except EngineError as e:
         release()

@@ -135,12 +135,20 @@ def test_openai_completions(client, tokenizer):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # log probabilities of the generated tokens (legacy object)
+    lp = client.completions.create(logprobs=2, **kw).choices[0]
+    assert lp.text == choice.text
+    assert "".join(lp.logprobs.tokens) == choice.text or "\ufffd" in "".join(lp.logprobs.tokens)
+    assert len(lp.logprobs.tokens) == len(lp.logprobs.token_logprobs) == 8
+    assert all(x <= 0 for x in lp.logprobs.token_logprobs)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-4)  # greedy picks the top
+               for top, v in zip(lp.logprobs.top_logprobs, lp.logprobs.token_logprobs))
 
 
 def test_openai_completions_refusals(client, http):
     for extra, code, param in ((dict(n=2), "n_not_supported", "n"),
                                (dict(suffix="}"), "suffix_not_supported", "suffix"),
-                               (dict(logprobs=2), "logprobs_not_supported", "logprobs"),
+                               (dict(logprobs=2, echo=True), "logprobs_not_supported", "echo"),
                                (dict(best_of=2), "best_of_not_supported", "best_of"),
                                (dict(prompt=["a", "b"]), "multiple_prompts_not_supported", "prompt")):
         kw = {"model": "tiny-qwen35-dense", "prompt": "x", "max_tokens": 2, **extra}
