@@ -84,6 +84,18 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
     if req.functions:
         raise bad_request("functions_not_supported", "Legacy 'functions' are not supported; send 'tools'.",
                           "functions")
+    if req.function_call is not None and req.function_call not in ("none", "auto"):
+        raise bad_request("functions_not_supported", "Legacy 'function_call' can only be 'none' or 'auto' "
+                          "(no legacy functions are declared); use tools and tool_choice.", "function_call")
+    mm = req.mm_processor_kwargs
+    if mm is not None:
+        if not isinstance(mm, dict):
+            raise bad_request("invalid_type", "mm_processor_kwargs must be an object.", "mm_processor_kwargs")
+        for key, value in mm.items():
+            if value is not None:
+                raise bad_request("unsupported_parameter", "mm_processor_kwargs is accepted only empty or with "
+                                  "null values: media preprocessing is fixed by the model.",
+                                  f"mm_processor_kwargs.{key}")
     if req.store:
         raise bad_request("store_not_supported", "Stored Chat Completions are not supported.", "store")
     if req.verbosity not in (None, "medium"):

@@ -112,6 +112,7 @@ class ChatCompletionRequest(_Wire):
     store: bool | None = None
     verbosity: str | None = None
     web_search_options: Any = None
+    mm_processor_kwargs: Any = None
     audio: Any = None
     # vLLM / llama.cpp constrained-decoding extensions: rejected by name, never ignored.
     guided_json: Any = None
