@@ -246,3 +246,17 @@ def test_a_stop_string_drops_the_records_it_cuts(app):
     assert "".join(body["logprobs"]["tokens"]) == " there was"
     assert len(body["logprobs"]["tokens"]) == len(tok.encode(" there was"))
     assert_idle(engine)
+
+
+def test_stream_timings_per_token(app):
+    client, _, engine, _ = app
+    events = sse(post(client, stream=True, timings_per_token=True).text)
+    text_chunks = [e for e in events[:-2] if e["choices"][0]["text"]]
+    assert text_chunks and all("timings" in e for e in text_chunks)
+    predicted = [e["timings"]["predicted_n"] for e in text_chunks]
+    assert predicted == sorted(predicted) and predicted[0] >= 1
+    assert all(e["timings"]["prompt_n"] == len(qwen_tokenizer().encode(PROMPT)) for e in text_chunks)
+    assert "timings" in events[-2]  # the engine's own on the finish chunk
+    plain = sse(post(client, stream=True).text)
+    assert all("timings" not in e for e in plain[:-2])
+    assert_idle(engine)

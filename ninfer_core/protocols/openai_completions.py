@@ -28,7 +28,13 @@ from pydantic import Field
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent
 from ninfer_core.protocols.raw_prompt import LARGE_BODY, RawCompletionFields, RawPlan, WireModel, check_fields
-from ninfer_core.protocols.raw_submit import RawSubmission, cancelled_error, submit_raw, unfinished_error
+from ninfer_core.protocols.raw_submit import (
+    LiveTimings,
+    RawSubmission,
+    cancelled_error,
+    submit_raw,
+    unfinished_error,
+)
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body
 from ninfer_core.server.sse import (
@@ -199,8 +205,8 @@ class Completions:
     async def _stream(self, ctx: ServerContext, plan: CompletionPlan, sub: RawSubmission, cid: str,
                       created: int) -> AsyncIterator[str]:
         model_id = ctx.model.id
-
         lp = LegacyLogprobs(ctx.tokenizer) if plan.logprobs else None
+        live = LiveTimings(len(sub.prompt_ids)) if plan.raw.timings_per_token else None
 
         def chunk(text: str, finish: str | None = None, logprobs: dict | None = None, **extra: Any) -> str:
             obj = {"id": cid, "object": "text_completion", "created": created, "model": model_id,
@@ -217,10 +223,17 @@ class Completions:
                 async for ev in events:
                     if ev is None:
                         yield KEEPALIVE
+                    elif ev.kind == "admitted":
+                        if live is not None:
+                            live.admitted(ev.usage.cached_tokens if ev.usage else 0)
                     elif ev.kind == "delta":
                         records = lp.take(ev.logprobs) if lp is not None else None
+                        extra = {}
+                        if live is not None:
+                            live.tokens(len(ev.token_ids))
+                            extra["timings"] = live.snapshot()
                         if ev.text or (records and records["tokens"]):
-                            yield chunk(ev.text, logprobs=records)
+                            yield chunk(ev.text, logprobs=records, **extra)
                     elif ev.kind == "error":
                         yield sse_data(engine_error_body(ev.error))
                         return
