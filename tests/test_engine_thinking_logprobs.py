@@ -205,3 +205,39 @@ def test_inserted_close_tokens_have_no_records():
     recs = records(out)
     assert len(recs) == 10 - len(CLOSE_IDS)
     assert [r.token_id for r in recs] == [t for i, t in enumerate(out.token_ids) if not 2 <= i < 2 + len(CLOSE_IDS)]
+
+
+def test_batched_rows_get_their_own_records():
+    async def go():
+        eng = Engine(ToyRunner(), TOK, EngineOptions(max_context=512, max_concurrency=2))
+        eng.start()
+        try:
+            import asyncio
+
+            a = eng.submit(GenerationRequest(prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=6, ignore_eos=True,
+                                             logprobs=2))
+            b = eng.submit(GenerationRequest(prompt_ids=[4, 5], sampling=GREEDY, max_tokens=6, ignore_eos=True))
+            return await asyncio.gather(collect(a), collect(b))
+        finally:
+            eng.shutdown(timeout=30)
+
+    batched_a, batched_b = run_async(go())
+    (solo_a,) = run(ToyRunner(), GenerationRequest(prompt_ids=[1, 2, 3], sampling=GREEDY, max_tokens=6,
+                                                   ignore_eos=True, logprobs=2))
+    assert all(e.logprobs is None for e in batched_b.events if e.kind == "delta")
+    got = [(r.token_id, r.top) for r in records(batched_a)]
+    want = [(r.token_id, r.top) for r in records(solo_a)]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for (_, gt), (_, wt) in zip(got, want):
+        assert [i for i, _ in gt] == [i for i, _ in wt]
+        assert [v for _, v in gt] == pytest.approx([v for _, v in wt], abs=1e-5)
+
+
+def test_penalties_shape_the_values():
+    base = dict(prompt_ids=[3, 4], max_tokens=6, ignore_eos=True, logprobs=1)
+    (plain,) = run(ToyRunner(), GenerationRequest(sampling=SamplingParams(temperature=1.0, seed=5), **base))
+    (penal,) = run(ToyRunner(), GenerationRequest(
+        sampling=SamplingParams(temperature=1.0, seed=5, presence_penalty=2.0), **base))
+    # the first position has no generated tokens yet: identical; later ones differ once a token repeats
+    assert records(plain)[0].logprob == pytest.approx(records(penal)[0].logprob)
+    assert [r.logprob for r in records(plain)] != [r.logprob for r in records(penal)]

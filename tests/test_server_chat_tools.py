@@ -326,3 +326,18 @@ def test_server_keeps_serving_after_every_feature(toy_app):
     assert chat(client, tools=TOOLS, logprobs=True, top_logprobs=20, thinking_budget=3,
                 post_thinking={}).status_code == 200
     assert chat(client).json()["choices"][0]["message"]["content"] == "fine"
+
+
+def test_parse_fallback_logs_the_classification_only(toy_app, caplog):
+    import logging
+
+    client, _, _, script = toy_app()
+    script.set("</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSECRET-CITY")
+    with caplog.at_level(logging.INFO):
+        msg = chat(client, tools=TOOLS, messages=[{"role": "user", "content": "PROMPT-TEXT"}]).json()
+    assert msg["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "malformed_tool_call"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("malformed_structure" in w for w in warnings), warnings
+    for r in caplog.records:
+        text = r.getMessage()
+        assert "SECRET-CITY" not in text and "PROMPT-TEXT" not in text and "<parameter" not in text
