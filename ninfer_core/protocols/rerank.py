@@ -218,14 +218,15 @@ class Rerank:
         """Judge every prompt, a lane's worth (--max-concurrency) at a time; the first failure
         cancels the judgements still running and fails the request."""
         lanes = asyncio.Semaphore(max(1, ctx.options.engine.max_concurrency))
-        deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
+        pending_s = ctx.options.engine.pending_timeout_ms / 1000.0
         greedy = SamplingParams(temperature=0.0, greedy=True, seed=0)
 
         async def one(i: int) -> float:
             async with lanes:
                 gen = GenerationRequest(prompt_ids=prompts[i], sampling=greedy, max_tokens=0,
                                         request_id=f"{request_id}-{i}" if request_id else "",
-                                        deadline=deadline, score_token_ids=judge.score_ids,
+                                        deadline=time.monotonic() + pending_s,
+                                        score_token_ids=judge.score_ids,
                                         checkpoint_hints=CheckpointHints(stable_prefix=shared))
                 try:
                     handle = ctx.engine.submit(gen)
