@@ -349,7 +349,7 @@ def test_accepted_fields(app, body):
 
 
 def test_response_object_echoes_request(app):
-    client, ctx, engine = app()
+    client, _ctx, engine = app()
     r = post(client, instructions="Be brief.", metadata={"a": "b"}, temperature=0.5, top_p=0.5,
              max_output_tokens=50, max_tool_calls=2, prompt_cache_key="pk", user="u", safety_identifier="s",
              reasoning={"effort": "low", "summary": "concise"}, service_tier="auto", tools=[FN, NS])
@@ -460,7 +460,7 @@ def test_allowed_tools_filters_the_rendered_set(app):
 
 
 def test_prompt_cache_breakpoints_do_not_change_the_prompt(app):
-    client, ctx, engine = app()
+    client, _ctx, engine = app()
     post(client, input="same text")
     post(client, input=[{"role": "user", "content": [{"type": "input_text", "text": "same text",
                                                       "prompt_cache_breakpoint": {"mode": "explicit"}}]}])
@@ -481,7 +481,7 @@ def test_template_kwargs_and_preserve_thinking_reach_the_template(app):
 
 
 def test_thinking_budget_and_post_thinking_reach_the_engine(app):
-    client, ctx, engine = app()
+    client, _ctx, engine = app()
     post(client, thinking_budget=256, post_thinking={"temperature": 0.3})
     req = engine.requests[-1]
     assert req.thinking_budget == 256 and req.budget_close_ids and req.in_reasoning
@@ -564,5 +564,5 @@ def test_serve_flags():
 
 
 def test_store_budget_follows_the_flags(app):
-    client, ctx, _ = app(response_store_max_records=7, response_store_max_mib=3)
+    _client, ctx, _ = app(response_store_max_records=7, response_store_max_mib=3)
     assert ctx.response_store.max_records == 7 and ctx.response_store.max_bytes == 3 << 20

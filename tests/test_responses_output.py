@@ -133,9 +133,9 @@ def test_function_call_items(app):
 
 
 def test_namespace_identity_restored_in_output(app):
-    client, ctx, engine = app()
-    engine.pieces = ["</think>\n\n", "<tool_call>\n<function=mcp__weather.get_weather>\n<parameter=city>\nOslo\n"
-                     "</parameter>\n</function>\n</tool_call>"]
+    client, _ctx, engine = app()
+    engine.pieces = ["</think>\n\n", ("<tool_call>\n<function=mcp__weather.get_weather>\n<parameter=city>\nOslo\n"
+                     "</parameter>\n</function>\n</tool_call>")]
     body = post(client, tools=[NS, FN]).json()  # same function name, direct and namespaced
     fc = body["output"][-1]
     assert fc["type"] == "function_call" and fc["name"] == "get_weather" and fc["namespace"] == "mcp__weather"
@@ -348,7 +348,7 @@ def test_lru_touch_on_use_keeps_a_record(app):
 
 
 def test_store_capacity_exceeded(app):
-    client, ctx, engine = app(response_store_max_mib=0)
+    client, _ctx, engine = app(response_store_max_mib=0)
     r = post(client)
     assert r.status_code == 400
     err = r.json()["error"]
@@ -479,7 +479,7 @@ def test_input_items_are_normalized(app):
 # --- input token count -----------------------------------------------------------------------------
 
 def test_input_tokens_matches_create(app):
-    client, ctx, engine = app()
+    client, _ctx, engine = app()
     body = {"model": MODEL, "instructions": "Be brief.", "input": "Count this prompt.", "tools": [FN, NS],
             "reasoning": {"effort": "low"}}
     n = client.post("/v1/responses/input_tokens", json=body).json()
@@ -554,7 +554,7 @@ def test_logprobs_on_the_output_text_part(app):
 
 
 def test_logprobs_travel_with_stream_deltas_without_bytes(app):
-    client, ctx, engine = app()
+    client, _ctx, engine = app()
     _with_logprobs(engine)
     events = parse_sse(post(client, stream=True, top_logprobs=1).text)
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]

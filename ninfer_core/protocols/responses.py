@@ -14,9 +14,10 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -39,7 +40,13 @@ from ninfer_core.server.prepare import (
     thinking_fields,
 )
 from ninfer_core.server.response_store import ResponseStore, StoredResponse, record_size
-from ninfer_core.server.sse import KEEPALIVE, ClientDisconnected, EventStreamResponse, unless_disconnected, with_keepalive
+from ninfer_core.server.sse import (
+    KEEPALIVE,
+    ClientDisconnected,
+    EventStreamResponse,
+    unless_disconnected,
+    with_keepalive,
+)
 
 log = logging.getLogger("ninfer.server")
 _LARGE_BODY = 256 * 1024
@@ -71,7 +78,9 @@ def _has_user(items: list[dict]) -> bool:
 
 def prepare_prompt(plan: CreatePlan, ctx: ServerContext,
                    store: ResponseStore) -> tuple[Prepared, list[dict], dict[str, Any]]:
-    """Parent lookup, Item normalization and grouping, thinking mode and prompt ids (Create and count)."""
+    """Parent lookup, Item normalization and grouping, thinking mode: everything before rendering.
+
+    Shared by Create and input token count, so both see the same prompt."""
     parent = None
     if plan.previous_response_id is not None:
         parent = store.get(plan.previous_response_id)
@@ -93,7 +102,8 @@ def prepare_prompt(plan: CreatePlan, ctx: ServerContext,
     return Prepared([], False, history, new_items, parent, preserve, thinking, None), messages, kwargs
 
 
-def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan: CreatePlan, ctx: ServerContext) -> Prepared:
+def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan: CreatePlan,
+           ctx: ServerContext) -> Prepared:
     """Host work (run on a worker thread): the template and tokenisation, plus a forced call opener."""
     prep, messages, kwargs = prep_and_messages
     prompt = render_prompt_ids(ctx, messages, plan.tools.template_tools or None, prep.thinking, kwargs)
@@ -401,7 +411,7 @@ class _Run:
             b.fail("internal_error", "The engine ended the request without finishing it.")
             self.terminal = True
             yield sse_event(b.terminal_event())
-        except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as response.failed
+        except Exception as e:
             log.exception("responses stream failed")
             if not self.terminal:
                 self.terminal = True

@@ -34,11 +34,11 @@ COUNT_FIELDS = {"model", "input", "instructions", "previous_response_id", "reaso
                 "parallel_tool_calls", "text", "truncation", "preserve_thinking", "chat_template_kwargs", "graft"}
 # Recognized Responses features NInfer does not offer: rejected by name, never ignored.
 UNSUPPORTED_FIELDS = {
-    "conversation": ("conversation_not_supported", "Conversations are not supported; chain Responses with "
-                     "previous_response_id."),
+    "conversation": ("conversation_not_supported", ("Conversations are not supported; chain Responses with "
+                     "previous_response_id.")),
     "prompt": ("prompt_not_supported", "Stored prompt templates are not supported; send instructions and input."),
-    "context_management": ("context_management_not_supported", "Server-side context management (compaction) is "
-                           "not supported."),
+    "context_management": ("context_management_not_supported", ("Server-side context management (compaction) is "
+                           "not supported.")),
     "moderation": ("moderation_not_supported", "Hosted moderation is not supported."),
 }
 
@@ -252,8 +252,8 @@ def _post_thinking(v: Any) -> dict[str, Any] | None:
 
 def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> CreatePlan:
     allowed = COUNT_FIELDS if count_only else CREATE_FIELDS
-    for key in data:
-        if key in UNSUPPORTED_FIELDS and data[key] is not None:
+    for key, value in data.items():
+        if key in UNSUPPORTED_FIELDS and value is not None:
             code, msg = UNSUPPORTED_FIELDS[key]
             raise bad_request(code, msg, key)
         if key not in allowed and key not in UNSUPPORTED_FIELDS:

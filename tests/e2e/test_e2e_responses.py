@@ -83,8 +83,7 @@ def test_stream_event_lifecycle(client, live_server, model_id):
     events = []
     with client.responses.stream(model=model_id, input="Say hello.", max_output_tokens=12,
                                  reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"]) as stream:
-        for event in stream:
-            events.append(event)
+        events.extend(stream)
     # get_final_response() wants response.completed; a random model usually runs into the limit
     # (response.incomplete), so the terminal event's Response is the final one.
     final = events[-1].response
@@ -317,8 +316,7 @@ def test_forced_call_streams_through_the_sdk(client, model_id, tools, choice):
     events = []
     with client.responses.stream(model=model_id, input="Weather in Rome?", tools=tools, tool_choice=choice,
                                  max_output_tokens=24, temperature=0) as stream:
-        for event in stream:
-            events.append(event)
+        events.extend(stream)
     final = events[-1].response
     first = final.output[0]
     # the forced call comes first; random weights rarely write a readable call, so it may be the
