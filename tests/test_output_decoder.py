@@ -165,3 +165,49 @@ def test_feed_after_finish_is_an_error():
     with pytest.raises(RuntimeError):
         dec.feed("x")
     assert dec.finish() == []
+
+
+class _Tok:
+    """Token ids -> bytes for LogprobChannel: 1 <think>, 2 </think>, others one character."""
+
+    table = {1: b"<think>", 2: b"</think>", 3: b"\n\n", 4: b"a", 5: b" ", 6: b"\n", 7: b"b"}
+
+    def token_to_id(self, text):
+        return {"<think>": 1, "</think>": 2}.get(text)
+
+    def token_bytes(self, t):
+        return self.table[t]
+
+
+def _rec(t):
+    from ninfer_core.engine.api import TokenLogprob
+
+    return TokenLogprob(t, -0.5)
+
+
+def test_logprob_channel_keeps_content_tokens_only():
+    from ninfer_core.server.output import LogprobChannel
+
+    ch = LogprobChannel(_Tok(), in_reasoning=True)
+    ids = [4, 4, 2, 3, 6, 7, 5, 4]
+    got = ch.take(ids[:3], [_rec(t) for t in ids[:3]]) + ch.take(ids[3:], [_rec(t) for t in ids[3:]])
+    assert [r.token_id for r in got] == [7, 5, 4]  # reasoning, the close and its whitespace have none
+    ch = LogprobChannel(_Tok(), in_reasoning=False)
+    assert [r.token_id for r in ch.take([5, 4], [_rec(5), _rec(4)])] == [5, 4]
+    ch = LogprobChannel(_Tok(), in_reasoning=False)  # an output that opens its own block
+    assert [r.token_id for r in ch.take([1, 4, 2, 3, 7], [_rec(t) for t in (1, 4, 2, 3, 7)])] == [7]
+    # inserted (unsampled) tokens have no record and are skipped without shifting the others
+    ch = LogprobChannel(_Tok(), in_reasoning=True)
+    assert [r.token_id for r in ch.take([4, 2, 3, 7, 4], [_rec(4), _rec(7), _rec(4)])] == [7, 4]
+
+
+def test_logprob_json_shape():
+    from ninfer_core.engine.api import TokenLogprob
+    from ninfer_core.server.output import logprob_json
+
+    tok = _Tok()
+    tok.table = {**tok.table, 8: b"\xe2\x82"}  # an incomplete UTF-8 sequence
+    rec = TokenLogprob(8, -1.25, [(8, -1.25), (4, -2.0)])
+    assert logprob_json(tok, rec) == {"token": "\ufffd", "logprob": -1.25, "bytes": [0xE2, 0x82], "top_logprobs": [
+        {"token": "\ufffd", "logprob": -1.25, "bytes": [0xE2, 0x82]}, {"token": "a", "logprob": -2.0, "bytes": [97]}]}
+    assert logprob_json(tok, rec, with_bytes=False)["top_logprobs"][1] == {"token": "a", "logprob": -2.0}

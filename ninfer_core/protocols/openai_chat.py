@@ -82,6 +82,9 @@ class ChatCompletions:
         else:
             plan = validate_body(raw, ctx)
 
+        log.debug("chat request: reasoning_effort asked %s, tools %d, forced %s, logprobs %s, thinking_budget %s",
+                  plan.effort_requested, len(plan.tools or ()), plan.forced_tool is not None, plan.logprobs,
+                  plan.thinking_budget)
         ctx.ingress.acquire()
         released = False
 

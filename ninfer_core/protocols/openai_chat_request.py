@@ -9,6 +9,7 @@ messages and tools into the plain dicts the chat template renders. Every failure
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.prepare import collapse_effort
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}\Z")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Template inputs the request cannot replace through chat_template_kwargs.
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
@@ -233,6 +235,9 @@ def _declared(req: ChatCompletionRequest) -> list[tuple[str, Any]]:
     out = []
     for i, t in enumerate(req.tools or []):
         name = t.function.name if t.type == "function" else t.custom.name
+        if not TOOL_NAME.match(name):
+            raise bad_request("invalid_value", f"tool name {name[:64]!r} must be 1-128 letters, digits, '_', '-', "
+                              "'.' or ':' (the model writes it inside call markup).", f"tools.{i}.{t.type}.name")
         if name in names:
             raise bad_request("invalid_value", f"tool name {name!r} is declared twice (tools.{names[name]} and "
                               f"tools.{i}).", f"tools.{i}.{t.type}.name")
