@@ -327,6 +327,15 @@ def test_sdk_parses_aggregate_and_stream(app):
     with pytest.raises(anthropic.APIStatusError) as e:
         sdk.messages.create(model="m", max_tokens=5, messages=HI)
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+    engine.submit_error = None
+    # a failure after the stream started reaches the client as an error event
+    late = EngineError(503, "request_queue_timeout", "not admitted in time")
+    engine.script = lambda req: [EngineEvent("admitted"), EngineEvent("error", error=late)]
+    with pytest.raises(anthropic.APIStatusError) as e:
+        with sdk.messages.stream(model="m", max_tokens=5, messages=HI) as stream:
+            stream.until_done()
+    assert e.value.body["error"]["type"] == "timeout_error"
+    assert e.value.body["error"]["code"] == "request_queue_timeout"
 
 
 # --- a real Engine over the toy runner ------------------------------------------------------------------

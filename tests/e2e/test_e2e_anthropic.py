@@ -227,14 +227,17 @@ def test_errors_use_the_anthropic_envelope(client, live_server):
     _wait_idle(live_server)
 
 
-def test_disconnect_mid_stream_releases_the_request(live_server):
-    body = {"model": "m", "max_tokens": 400, "messages": HI, "stream": True, "thinking": OFF}
+def test_disconnect_mid_stream_cancels_the_request(live_server):
+    before = _wait_idle(live_server)["counters"]["committed_decode_tokens"]
+    body = {"model": "m", "max_tokens": 4000, "messages": HI, "stream": True, "thinking": OFF, "temperature": 0}
     with httpx.stream("POST", live_server.base_url + "/v1/messages", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("event: content_block_delta"):
                 break  # generation is under way: drop the connection
     load = _wait_idle(live_server)
     assert load["requests"]["admitted"] == 0
+    # the engine stopped decoding long before the 4000-token budget
+    assert load["counters"]["committed_decode_tokens"] - before < 1000
 
 
 def test_logs_hold_no_prompt_or_output(client, live_server):
