@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from ninfer_core.tokenizer.reasoning import ReasoningSplitter
 from ninfer_core.tokenizer.toolcalls import (
+    MARKERS,
     MAX_MARKERS,
     ParseResult,
     find_markers,
@@ -49,6 +50,7 @@ from ninfer_core.tokenizer.toolcalls import (
 )
 
 _WS = " \t\r\n"
+_LONGEST_MARKER = max(len(m) for m in MARKERS)
 _FORCED_CLOSERS = ("", "\n</function>\n</tool_call>", "\n</parameter>\n</function>\n</tool_call>",
                    "\n</tool_call>")
 
@@ -173,6 +175,14 @@ class OutputDecoder:
             self._emit(out, "content", self._text[self._emitted:end])
             self._emitted = end
 
+    def _content_end(self, end: int) -> int:
+        """`end` moved back over trailing whitespace (held: a call may follow it), not below what
+        is already published."""
+        text = self._text
+        while end > self._emitted and text[end - 1] in _WS:
+            end -= 1
+        return end
+
     def _advance(self, out: list[OutputEvent], final: bool) -> None:
         """Publish the content that can no longer belong to a tool-call region."""
         if self._region is not None:
@@ -184,20 +194,20 @@ class OutputDecoder:
                 return
             found = find_markers(text, self._scan, 1)
             if not found:
+                # no complete marker starts before here: later ones start near the end
+                self._scan = max(self._scan, len(text) - _LONGEST_MARKER + 1)
                 if final:
                     return
-                end = len(text) - marker_prefix_len(text)
-                end = len(text[:end].rstrip(_WS))
-                self._publish_to(out, end)
+                self._publish_to(out, self._content_end(len(text) - marker_prefix_len(text)))
                 return
             pos = found[0]
             state = opens_function(text, pos)
             if state is True:
                 self._region = pos
-                self._publish_to(out, len(text[:pos].rstrip(_WS)))
+                self._publish_to(out, self._content_end(pos))
                 return
             if state is None and not final:
-                self._publish_to(out, len(text[:pos].rstrip(_WS)))
+                self._publish_to(out, self._content_end(pos))
                 return
             self._markers += 1
             self._scan = pos + 1
