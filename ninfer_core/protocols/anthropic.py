@@ -101,6 +101,14 @@ def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
             "cache_creation_input_tokens": None, "cache_read_input_tokens": cached}
 
 
+def final_usage(ev: EngineEvent, prompt: Prompt) -> dict:
+    """The cumulative usage of a finish event (the same in the aggregate and in message_delta)."""
+    u = ev.usage
+    if u is None:
+        return usage(len(prompt.ids), 0, 0)
+    return usage(u.prompt_tokens or len(prompt.ids), u.cached_tokens, u.completion_tokens)
+
+
 def stop_reason(ev: EngineEvent, tool_calls: bool) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finish event."""
     if ev.finish_reason == "length":
@@ -122,17 +130,15 @@ class BlockWriter:
         self.omitted = omitted
         self.blocks: list[dict] = []
         self._open: dict | None = None
-        self._reasoning: list[str] = []
-        self._ws = ""
+        self._parts: list[str] = []  # the open thinking or text block's text so far
+        self._ws = ""  # whitespace held until text that opens a block follows it
         self.tool_calls = 0
 
     def _start(self, block: dict, events: list[dict]) -> None:
         self.close(events)
         self._open = block
         self.blocks.append(block)
-        start = dict(block)
-        if block["type"] == "tool_use":
-            start["input"] = {}
+        start = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
         events.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": start})
 
     def _delta(self, delta: dict, events: list[dict]) -> None:
@@ -142,16 +148,15 @@ class BlockWriter:
         block, self._open = self._open, None
         if block is None:
             return
+        text, self._parts = "".join(self._parts), []
         if block["type"] == "thinking":
-            reasoning = "".join(self._reasoning)
-            self._reasoning = []
             sign = omitted_signature if self.omitted else visible_signature
-            block["signature"] = sign(reasoning)
+            block["signature"] = sign(text)
             if not self.omitted:
-                block["thinking"] = reasoning
+                block["thinking"] = text
             self._delta({"type": "signature_delta", "signature": block["signature"]}, events)
         elif block["type"] == "text":
-            block["text"] = "".join(block.pop("_parts"))
+            block["text"] = text
         events.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
 
     def feed(self, items: list[OutputEvent]) -> list[dict]:
@@ -160,7 +165,7 @@ class BlockWriter:
             if item.kind == "reasoning" and item.text:
                 if self._open is None or self._open["type"] != "thinking":
                     self._start({"type": "thinking", "thinking": "", "signature": ""}, events)
-                self._reasoning.append(item.text)
+                self._parts.append(item.text)
                 if not self.omitted:
                     self._delta({"type": "thinking_delta", "thinking": item.text}, events)
             elif item.kind == "content" and item.text:
@@ -170,21 +175,20 @@ class BlockWriter:
                     if not text.strip():
                         self._ws = text
                         continue
-                    self._start({"type": "text", "text": "", "_parts": []}, events)
-                    events[-1]["content_block"] = {"type": "text", "text": ""}
-                self._open["_parts"].append(text)
+                    self._start({"type": "text", "text": ""}, events)
+                self._parts.append(text)
                 self._delta({"type": "text_delta", "text": text}, events)
             elif item.kind == "tool_call" and item.tool_call is not None:
                 call = item.tool_call
                 try:
                     args = json.loads(call.arguments) if call.arguments.strip() else {}
                 except json.JSONDecodeError:
-                    args = {}
-                if not isinstance(args, dict):
-                    args = {}
+                    args = None
+                partial = call.arguments  # the decoder's JSON text: member order as generated
+                if not isinstance(args, dict):  # not an object: nothing a client could replay
+                    args, partial = {}, "{}"
                 self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": args}, events)
-                self._delta({"type": "input_json_delta",
-                             "partial_json": call.arguments if call.arguments.strip() else "{}"}, events)
+                self._delta({"type": "input_json_delta", "partial_json": partial}, events)
                 self.close(events)
                 self.tool_calls += 1
         return events
@@ -296,11 +300,9 @@ class AnthropicMessages:
                 writer.feed(decoder.finish())
                 writer.close([])
                 reason, sequence = stop_reason(ev, writer.tool_calls > 0)
-                u = ev.usage
                 return {"id": mid, "type": "message", "role": "assistant", "model": plan.model,
                         "content": writer.blocks, "stop_reason": reason, "stop_sequence": sequence,
-                        "usage": usage(u.prompt_tokens if u else len(prompt.ids), u.cached_tokens if u else 0,
-                                       u.completion_tokens if u else 0)}
+                        "usage": final_usage(ev, prompt)}
         raise _internal_error("The engine ended the request without finishing it.")
 
     async def _stream(self, ctx: ServerContext, handle, plan: MessagesPlan, prompt: Prompt, mid: str,
@@ -345,12 +347,9 @@ class AnthropicMessages:
                         for obj in tail:
                             yield sse_event(obj)
                         reason, sequence = stop_reason(ev, writer.tool_calls > 0)
-                        u = ev.usage
                         yield sse_event({"type": "message_delta",
                                          "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                         "usage": usage(u.prompt_tokens if u else len(prompt.ids),
-                                                        u.cached_tokens if u else 0,
-                                                        u.completion_tokens if u else 0)})
+                                         "usage": final_usage(ev, prompt)})
                         yield sse_event({"type": "message_stop"})
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 from typing import Any
 
 from ninfer_core.engine.api import EngineError
@@ -386,8 +385,3 @@ def _prefill(blocks: list[tuple[dict, str]], thinking: bool, explicit: bool) -> 
                           f"message) needs thinking disabled, and this request {why}: send thinking: "
                           "{\"type\": \"disabled\"}.", "messages")
     return "".join(texts)
-
-
-def dumps_input(value: dict) -> str:
-    """Tool input as JSON text with its member order (for SSE input_json_delta)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
