@@ -115,8 +115,8 @@ def test_engine_8_concurrent_greedy_equals_each_alone(model9b):
     with torch.no_grad():  # spread the logits so bf16 rounding cannot flip a random-weight argmax
         runner.model.lm_head.weight.mul_(8.0)
     tok = Tokenizer.from_section(art.tokenizer_section)
-    engine = Engine(runner, tok, EngineOptions(max_context=512, max_concurrency=8, prefill_chunk=256,
-                                               device="cuda"))
+    engine = Engine(runner, tok, EngineOptions(max_context=512, kv_capacity=8 * 512, max_concurrency=8,
+                                               prefill_chunk=256, device="cuda"))
     engine.start()
     prompts = [_prompt(40 + 25 * i, 70 + i) for i in range(8)]
 
@@ -129,8 +129,19 @@ def test_engine_8_concurrent_greedy_equals_each_alone(model9b):
             got.extend(ev.token_ids)
         return got
 
+    peak = {"lanes": 0}
+
     async def together():
-        return await asyncio.gather(*(gen(p) for p in prompts))
+        async def watch():
+            while True:
+                peak["lanes"] = max(peak["lanes"], engine.snapshot()["lanes_active"])
+                await asyncio.sleep(0.005)
+
+        w = asyncio.ensure_future(watch())
+        try:
+            return await asyncio.gather(*(gen(p) for p in prompts))
+        finally:
+            w.cancel()
 
     try:
         batched = asyncio.run(together())
@@ -142,8 +153,11 @@ def test_engine_8_concurrent_greedy_equals_each_alone(model9b):
             runner.model.lm_head.weight.div_(8.0)
     same = sum(a == b for a, b in zip(batched, alone))
     print(f"8 concurrent greedy vs alone: {same}/8 identical")
+    print(f"peak active lanes while the 8 ran together: {peak['lanes']}")
+    assert peak["lanes"] >= 4  # they really shared decode rounds
     assert all(len(b) == 24 for b in batched)
     assert batched == alone
+    assert snap["lanes_active"] == 0 and snap["pages_free"] == snap["pages_total"]
     print("engine snapshot after:", {k: snap[k] for k in list(snap)[:8]})
 
 
@@ -156,8 +170,12 @@ def test_tiny_artifact_on_cuda_takes_gpu_path_and_matches_cpu(tmp_path):
 
     art = Artifact.open(build_tiny_artifact(tmp_path / "t.ninfer", kind="dense", seed=3, num_layers=8))
     cpu = Qwen35Family().load(art)
-    gpu = Qwen35Family().load(art, device="cuda")
-    assert isinstance(gpu, GpuQwen35Runner) and gpu.dtype == torch.bfloat16
+    bf16 = Qwen35Family().load(art, device="cuda")
+    assert isinstance(bf16, GpuQwen35Runner) and bf16.dtype == torch.bfloat16
+    del bf16
+    # fp32 on CUDA: the same kernels (tf32 dots), compared with the CPU fp32 reference; in bf16 this
+    # tiny model's own reference path already moves 0.4 against fp32 on some rows (checked on CPU)
+    gpu = Qwen35Family().load(art, device="cuda", dtype="float32")
     outs = []
     for r in (cpu, gpu):
         r.allocate_cache(16, 2)
@@ -173,5 +191,5 @@ def test_tiny_artifact_on_cuda_takes_gpu_path_and_matches_cpu(tmp_path):
             s.num_cached += 1
         outs.append(torch.cat(rows))
     err = rel_err(outs[1], outs[0])
-    print(f"tiny artifact: CUDA bf16 GPU path vs CPU fp32 reference {err:.2e}")
-    assert err <= 3e-2
+    print(f"tiny artifact: CUDA fp32 GPU path vs CPU fp32 reference {err:.2e}")
+    assert err <= 1e-2
