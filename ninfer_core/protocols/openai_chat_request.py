@@ -23,7 +23,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}\Z")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Template inputs the request cannot replace through chat_template_kwargs.
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
-                   "unk_token", "continue_final_message", "add_vision_id", "documents")
+                   "unk_token", "continue_final_message", "add_vision_id")
 
 
 @dataclass
