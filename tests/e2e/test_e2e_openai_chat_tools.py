@@ -211,3 +211,31 @@ def test_bad_input_through_the_client(client, model_id, live_server, kw, code, p
     ok = client.chat.completions.create(model=model_id, messages=HI, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
     _wait_idle(live_server)
+
+
+def test_thinking_flags_on_a_live_server(start_server):
+    server = start_server("--default-thinking-budget", "3", "--thinking-budget-message", "Time is up.",
+                          "--post-thinking-sampler", "temp=0,top_k=1", "--default-reasoning-effort", "high")
+    with openai.OpenAI(base_url=server.api_base, api_key="x", max_retries=0, timeout=120) as c:
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "PROMPT-MARKER-42"}],
+                                      max_tokens=40, temperature=0)
+        reasoning = r.choices[0].message.model_extra["reasoning_content"]
+        assert "Time is up." in reasoning
+        # a request that does not think receives no cap
+        off = c.chat.completions.create(model="", messages=HI, max_tokens=8, temperature=0,
+                                        extra_body={"enable_thinking": False})
+        assert off.choices[0].message.model_extra.get("reasoning_content") is None
+    log = server.log()
+    assert "thinking: budget 3" in log and "post-thinking sampling True" in log
+    assert "PROMPT-MARKER-42" not in log and "Time is up." not in log
+
+
+def test_effort_flag_conflicting_with_no_thinking_fails_startup(tiny_artifact):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ninfer_core.cli", "serve", tiny_artifact, "--port", "0",
+                           "--no-thinking", "--default-reasoning-effort", "high"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "error: --default-reasoning-effort high asks for thinking" in proc.stderr
