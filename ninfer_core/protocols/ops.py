@@ -93,6 +93,8 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
             "host_state_slots": _int(cc, "host_state_slots_used"), "host_kv_bytes": _int(cc, "host_kv_bytes_used"),
         },
         "counters": {
+            # The engine's own monotonic counters, then the spec's names over them.
+            **{k: int(v) for k, v in counters.items() if isinstance(v, (int, float))},
             # Without a context cache every admitted prompt token is computed.
             "computed_prefill_tokens": (_int(cc, "computed_prefill_tokens") if cc
                                         else _int(counters, "prompt_tokens_total")),

@@ -186,7 +186,8 @@ def test_seeded_sampling_is_deterministic(client, model_id):
 
 
 def test_cancelled_stream_returns_engine_to_idle(client, live_server, model_id):
-    before = _load(live_server)["counters"].get("requests_cancelled", 0)
+    idle = _load(live_server)
+    before = idle["counters"].get("requests_cancelled", 0)
     stream = client.chat.completions.create(model=model_id, messages=HI, max_tokens=4000, stream=True,
                                             extra_body={"ignore_eos": True})
     it = iter(stream)
@@ -196,7 +197,9 @@ def test_cancelled_stream_returns_engine_to_idle(client, live_server, model_id):
     stream.close()
     load = _wait_idle(live_server)
     assert load["counters"]["requests_cancelled"] == before + 1
-    assert load["occupancy"]["device_main_kv_pages"] == 0
+    # Back to what was occupied before: retained context-cache checkpoints stay, the cancelled
+    # request published nothing and released its own pages.
+    assert load["occupancy"]["device_main_kv_pages"] == idle["occupancy"]["device_main_kv_pages"]
     # The server keeps serving.
     assert client.chat.completions.create(model=model_id, messages=HI, max_tokens=2).choices
 
