@@ -105,6 +105,9 @@ def test_endpoint_reuse_equals_root_and_reports_cached_tokens():
     assert o2.finish.timings["cache_n"] == frontier
     assert o2.finish.timings["prompt_n"] == len(p2) - frontier
     assert o2.token_ids == root_output(p2)
+    ctx = o2.finish.context
+    assert ctx["source"] == "private_endpoint" and ctx["cache_n"] == frontier
+    assert eng.cache.continuations[ctx["id_slot"]].digest == ctx["session_digest"]
     counters = eng.snapshot()["context_cache"]
     assert counters["reused_prompt_tokens"] == frontier
     assert counters["computed_prefill_tokens"] == len(p1) + len(p2) - frontier

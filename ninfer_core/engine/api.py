@@ -105,6 +105,9 @@ class EngineEvent:
     logprobs: list["TokenLogprob"] | None = None
     # finish: thinking facts for logs: budget_requested, budget_effective, early_close, post_thinking_sampling
     thinking: dict | None = None
+    # finish: context-cache facts: source (the reuse path), cache_n, and id_slot / session_digest of
+    # the /slots cell the completed session was retained under (None without a context cache)
+    context: dict | None = None
 
 
 @dataclass

@@ -226,6 +226,7 @@ class ContextCache:
         seq.num_cached = f
         seq.cache_n = f
         seq.cache_plan = plan
+        seq.cache_source = plan.source
         plan.captures = self._plan_captures(seq, plan)
         self.counters["selections"][plan.source] += 1
         self.counters["reused_prompt_tokens"] += f

@@ -38,6 +38,19 @@ COUNTERS = ("requests_completed", "requests_cancelled", "requests_rejected", "re
             "requests_failed", "prompt_tokens_total", "generated_tokens_total")
 
 
+def _context_report(seq: Sequence) -> dict | None:
+    """The finish event's context-cache facts: the reuse path, and the /slots cell and session
+    digest a completed session was retained under."""
+    source = getattr(seq, "cache_source", None)
+    if source is None:
+        return None
+    cont = getattr(seq, "retained", None)
+    report: dict = {"source": source, "cache_n": seq.cache_n}
+    if cont is not None:
+        report.update(id_slot=cont.slot, session_digest=cont.digest)
+    return report
+
+
 class Engine:
     """Serves GenerationRequests on one ModelRunner; see `ninfer_core.engine.api.EngineClient`."""
 
@@ -393,7 +406,7 @@ class Engine:
                 return
             if self.cache is not None:
                 try:
-                    self.cache.on_finish(seq, True, time.monotonic())
+                    seq.retained = self.cache.on_finish(seq, True, time.monotonic())
                 except Exception:  # a capture failure must not fail the finished request
                     log.exception("context cache: publishing request %s failed", seq.request_id)
             self._end_locked(seq, "requests_completed")
@@ -421,7 +434,8 @@ class Engine:
         return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
                            timings=seq.timings(), matched_stop=seq.output.matched_stop,
                            scores=getattr(seq, "scores", None),
-                           thinking=seq.thinking.facts() if seq.thinking is not None else None)
+                           thinking=seq.thinking.facts() if seq.thinking is not None else None,
+                           context=_context_report(seq))
 
     def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(

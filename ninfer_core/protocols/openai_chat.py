@@ -59,6 +59,14 @@ def usage_dict(event: EngineEvent, reasoning_tokens: int) -> dict:
             "completion_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion)}}
 
 
+def retained_session(event: EngineEvent) -> dict:
+    """id_slot and session_digest of the context-cache slot a finished session was retained under."""
+    ctx = getattr(event, "context", None) or {}
+    if ctx.get("id_slot") is None:
+        return {}
+    return {"id_slot": ctx["id_slot"], "session_digest": ctx["session_digest"]}
+
+
 def _cancelled_error() -> EngineError:
     return EngineError(503, "request_cancelled", "The request was cancelled before it completed.")
 
@@ -162,6 +170,7 @@ class ChatCompletions:
                                        "finish_reason": finish}],
                           "usage": usage_dict(ev, out.counter.count)}
                 result["timings"] = ev.timings or {}
+                result.update(retained_session(ev))
                 return result
         raise EngineError(500, "internal_error", "The engine ended the request without finishing it.",
                           type_="server_error")
@@ -229,9 +238,10 @@ class ChatCompletions:
                                 choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
                             yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
                                             "model": model_id, "choices": choices,
-                                            "usage": usage_dict(ev, out.counter.count), "timings": timings})
+                                            "usage": usage_dict(ev, out.counter.count), "timings": timings,
+                                            **retained_session(ev)})
                         else:
-                            yield chunk({}, finish, records=records, timings=timings)
+                            yield chunk({}, finish, records=records, timings=timings, **retained_session(ev))
                         yield DONE
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event

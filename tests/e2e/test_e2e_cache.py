@@ -65,11 +65,19 @@ def test_multi_turn_reuse_matches_a_root_only_server(cache_server, start_server)
         assert two.choices[0].message.content == root_two.choices[0].message.content
         # Regenerating the last reply resumes at its turn closure.
         again, raw_again = chat(c, turn2)
+        stream = list(c.chat.completions.create(model="", messages=turn2, max_tokens=4, temperature=0,
+                                                stream=True))
+        last = stream[-1].model_extra
+        assert len(last["session_digest"]) == 16 and last["timings"]["cache_n"] > 0
         assert raw_again["timings"]["cache_n"] >= cached
         assert again.choices[0].message.content == two.choices[0].message.content
 
     rows = slots(cache_server.base_url)
     assert len(rows) == 2 and all(row["is_processing"] is False for row in rows)
+    # The response names the slot and session digest it was retained under.
+    assert rows[last["id_slot"]]["session_digest"] == last["session_digest"]  # the latest session
+    assert len(raw_again["session_digest"]) == 16 and 0 <= raw_again["id_slot"] < 2
+    assert "id_slot" not in raw_root  # a root-only server retains nothing
     kept = [row for row in rows if row["retained"]]
     assert kept and all(len(row["session_digest"]) == 16 for row in kept)
     assert all(row["checkpoints"] and row["n_prompt_tokens"] > 0 for row in kept)
