@@ -1,0 +1,89 @@
+"""`ninfer bench` end to end on the CPU with a tiny artifact (a smoke run: the real figures come
+from the GPU), its refusals, and its --help."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ninfer_core.bench.run import render_table, step_bytes
+
+
+def _bench(*args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "ninfer_core.cli", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny(artifacts):
+    return str(artifacts["dense"])
+
+
+def test_bench_smoke_run_writes_table_and_json(tiny, tmp_path):
+    out = tmp_path / "b.json"
+    r = _bench("--shape", tiny, "--device", "cpu", "--prefill-lens", "64", "--decode-batches", "1,2",
+               "--decode-steps", "3", "--decode-prompt", "16", "--long-context", "130", "--long-chunk", "64",
+               "--repeats", "1", "--hf-prefill-lens", "32", "--hf-decode-batches", "1", "--hf-decode-steps", "2",
+               "--http-clients", "1,2", "--http-tokens", "6", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ninfer bench  shape=" in r.stdout and "prefill 64 tok/s" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["ceilings"]["copy_bandwidth_GBps"] > 0 and res["ceilings"]["matmul_TFLOPs"] > 0
+    assert set(res["prefill"]) == {"64"} and res["prefill"]["64"]["tok_s"] > 0
+    assert set(res["decode"]) == {"1", "2"}
+    d2 = res["decode"]["2"]
+    assert d2["total_tok_s"] == pytest.approx(2 * d2["per_seq_tok_s"])
+    assert 0 < d2["vs_floor"] and d2["floor_total_tok_s"] > 0
+    assert res["decode_long"]["total_tok_s"] > 0
+    assert "prefill" in res["transformers"] and "32" in res["transformers"]["prefill"], res["transformers"]
+    http = res["http"]
+    assert "error" not in http, http
+    for k in ("1", "2"):
+        assert http[k]["tokens"] == int(k) * 6 and http[k]["engine_tokens"] == int(k) * 6
+        assert http[k]["ratio"] > 0
+    idle = http["idle_after"]
+    assert idle["lanes_active"] == 0 and idle["pages_free"] == idle["pages_total"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shape", "no-such-shape", "--device", "cpu"], "neither a known shape"),
+    (["--shape", "qwen3.5-9b", "--device", "cpu", "--decode-batches", "9"], "1..8"),
+    (["--shape", "qwen3.5-9b", "--prefill-lens", "a,b"], "comma-separated integers"),
+])
+def test_bench_refusals_are_clear(args, needle):
+    r = _bench(*args, timeout=120)
+    assert r.returncode != 0
+    assert needle in r.stderr
+
+
+def test_bench_help_documents_every_option():
+    r = _bench("--help", timeout=60)
+    assert r.returncode == 0
+    for opt in ("--shape", "--device", "--seed", "--prefill-lens", "--decode-batches", "--decode-prompt",
+                "--decode-steps", "--long-context", "--long-chunk", "--repeats", "--no-cuda-graph", "--no-hf",
+                "--hf-prefill-lens", "--hf-decode-batches", "--hf-decode-steps", "--http-clients", "--http-tokens",
+                "--json", "--plugin"):
+        assert opt in r.stdout
+
+
+def test_step_bytes_counts_weights_state_and_kv():
+    class Spec:
+        state_bytes = 100
+        kv_bytes_per_token = 10
+
+    facts = {"dense_bytes": 1000, "expert_bytes": 0, "experts": 0, "top_k": 0}
+    assert step_bytes(facts, Spec, 1, 50) == 1000 + 2 * 100 + 500
+    assert step_bytes(facts, Spec, 4, 50) == 1000 + 4 * (200 + 500)
+    moe = {"dense_bytes": 1000, "expert_bytes": 2560, "experts": 256, "top_k": 8}
+    assert step_bytes(moe, Spec, 1, 0) == 1000 + 2560 * 8 / 256 + 200
+
+
+def test_render_table_reports_missing_comparisons():
+    res = {"shape": "s", "ceilings": {"copy_bandwidth_GBps": 1.0, "matmul_TFLOPs": 1.0},
+           "prefill": {64: {"tok_s": 10.0, "ttft_ms": 5.0, "vs_matmul": 0.5}},
+           "transformers": {"error": "ImportError: x"}, "http": {"error": "RuntimeError: y"}}
+    text = render_table(res)
+    assert "transformers: ImportError: x" in text and "HTTP: RuntimeError: y" in text
