@@ -248,8 +248,8 @@ def test_host_tier_demotion_and_restore_under_device_slot_pressure():
 
 def test_page_pressure_evicts_inactive_owners_and_requests_still_run():
     rng = random.Random(9)
-    # 12 pages of 64 tokens: each request needs 3-4; retained conversations must give way.
-    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8)
+    # 12 pages of 64 tokens: each request needs 3-4; retained conversations must give way (no Host KV).
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8, host_kv_mib=0)
     for i in range(8):
         p = toks(rng, 150 + i)
         assert run(eng, p, max_tokens=6).token_ids == root_output(p, 6)
@@ -317,3 +317,33 @@ def test_no_prefix_reuse_is_root_only():
     run(eng, p)
     snap = eng.snapshot()
     assert snap["context_cache"] is None and snap["pages_free"] == snap["pages_total"]
+
+
+def test_host_kv_tier_demotes_pages_under_pressure_and_resumes_exactly():
+    rng = random.Random(13)
+    # 12 pages: a 3rd conversation does not fit beside two retained ones, so the least recently
+    # used one's KV pages move to Host memory (one copy for all of its checkpoints).
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8)
+    convs = [toks(rng, 260) for _ in range(3)]
+    outs = [run(eng, p, max_tokens=6, hints=CheckpointHints(turn_closure=250)) for p in convs]
+    cc = eng.snapshot()["context_cache"]
+    assert cc["pressure"]["private_owner_degraded"] >= 1 and cc["host_kv_bytes_used"] > 0
+    assert cc["transfer_bytes"]["main_kv_d2h"] == cc["host_kv_bytes_used"]
+    with eng._cv:
+        eng.cache.audit([])
+    demoted = [c for c in eng.cache.continuations if c is not None and c.entries[0].ckpt.host_kv is not None]
+    assert demoted
+    first = convs[0]
+    nxt = first + outs[0].token_ids + toks(rng, 10)
+    sel = selections(eng)
+    o = run(eng, nxt, max_tokens=6)
+    assert source_of(eng, sel) == "private_endpoint"
+    assert o.token_ids == root_output(nxt, 6)
+    assert eng.snapshot()["context_cache"]["transfer_bytes"]["main_kv_h2d"] > 0
+    # A regenerate of the demoted conversation's first turn resumes from its Host turn closure.
+    sel = selections(eng)
+    again = run(eng, convs[1], max_tokens=6)
+    assert source_of(eng, sel) in ("private_turn_closure", "root")
+    assert again.token_ids == outs[1].token_ids
+    audit(eng)
+    assert eng.snapshot()["context_cache"]["host_kv_bytes_used"] == 0

@@ -172,3 +172,22 @@ def test_marker_anchor_and_host_tier_match_root(model, root):
         assert source_delta(eng, s) == "private_endpoint"
     assert eng.snapshot()["context_cache"]["transfer_bytes"]["state_h2d"] > 0
     idle(eng)
+
+
+def test_host_kv_tier_matches_root(model, root):
+    tok = model[2]
+    # Six pages: the third conversation moves the first one's KV pages to Host memory.
+    eng = engine(model, kv_capacity=6 * 64, max_private_continuations=6)
+    convs = [chat(tok, [{"role": "user", "content": f"Topic {i}: " + "paged attention and recurrent state " * 3}])
+             for i in range(3)]
+    assert all(129 <= len(c) <= 180 for c in convs)
+    outs = [run(eng, c) for c in convs]
+    cc = eng.snapshot()["context_cache"]
+    assert cc["host_kv_bytes_used"] > 0 and cc["transfer_bytes"]["main_kv_d2h"] > 0
+    nxt = convs[0] + outs[0].token_ids + tok.encode(" go on")
+    s = sel(eng)
+    o = run(eng, nxt)
+    assert source_delta(eng, s) == "private_endpoint"
+    assert eng.snapshot()["context_cache"]["transfer_bytes"]["main_kv_h2d"] > 0
+    assert o.token_ids == root(nxt)
+    idle(eng)

@@ -34,6 +34,7 @@ from ninfer_core.engine.checkpoints import (
     CheckpointHints,
     Continuation,
     Entry,
+    HostKV,
     hints_from_chat_tokens,
 )
 from ninfer_core.engine.pages import PagePool, pages_for
@@ -129,8 +130,9 @@ class ContextCache:
     name = "checkpoint_catalog"
 
     def __init__(self, runner, pages: PagePool, lanes: int, caps: CacheCapacities, state_bytes: int,
-                 page_size: int):
+                 page_size: int, kv_bytes_per_token: int = 0):
         self.runner = runner
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.pages = pages
         self.caps = caps
         self.state_bytes = state_bytes
@@ -138,6 +140,7 @@ class ContextCache:
         self._device_free = list(range(lanes + caps.device_state_slots - 1, lanes - 1, -1))
         self.device_slots_total = caps.device_state_slots
         self.host_images = 0
+        self.host_kv_used = 0  # bytes of demoted KV pages in Host memory
         self.continuations: list[Continuation | None] = [None] * caps.max_private_continuations
         self.shared: list[Entry] = []
         self._sightings: dict[tuple[int, ...], int] = {}  # stable prefix -> times seen
@@ -146,7 +149,7 @@ class ContextCache:
             "selections": dict.fromkeys(SOURCES, 0),
             "pressure": dict.fromkeys(("private_owner_evicted", "shared_owner_evicted",
                                        "private_owner_degraded", "checkpoint_dropped"), 0),
-            "transfer_bytes": {"state_d2h": 0, "state_h2d": 0},
+            "transfer_bytes": {"state_d2h": 0, "state_h2d": 0, "main_kv_d2h": 0, "main_kv_h2d": 0},
         }
 
     # -- pools ------------------------------------------------------------------------------------
@@ -177,12 +180,53 @@ class ContextCache:
             raise RuntimeError(f"checkpoint {ckpt.id} released more often than held")
         self.pages.free(ckpt.pages)
         ckpt.pages = []
+        if ckpt.host_kv is not None:
+            self._unref_host_kv(ckpt)
         if ckpt.device_slot is not None:
             self._device_free.append(ckpt.device_slot)
             ckpt.device_slot = None
         if ckpt.image is not None:
             self.host_images -= 1
             ckpt.image = None
+
+    def _unref_host_kv(self, ckpt: Checkpoint) -> None:
+        hk, ckpt.host_kv = ckpt.host_kv, None
+        hk.refs -= 1
+        if hk.refs == 0:
+            self.host_kv_used -= hk.nbytes
+
+    def _shared_pages(self, ckpt: Checkpoint | None) -> int:
+        """Full pages a request resuming from `ckpt` shares instead of allocating."""
+        if ckpt is None or ckpt.host_kv is not None:
+            return 0
+        return ckpt.frontier // self.page_size
+
+    def _demote_one(self, keep: Checkpoint | None) -> bool:
+        """Move the KV pages of the least recently used inactive continuation to Host memory
+        (one Host copy of its deepest checkpoint's pages serves all of its checkpoints); False when
+        none can move or the Host KV capacity cannot take it."""
+        conts = [c for c in self.continuations if c is not None and not c.busy
+                 and all(e.ckpt is not keep and e.ckpt.pins == 0 for e in c.entries)
+                 and any(e.ckpt.pages for e in c.entries)]
+        for cont in sorted(conts, key=lambda c: c.last_used):
+            movable = [e.ckpt for e in cont.entries if e.ckpt.pages]
+            deepest = max(movable, key=lambda c: c.frontier)
+            if any(tuple(c.tokens) != deepest.tokens[: c.frontier] for c in movable):
+                continue
+            nbytes = len(deepest.pages) * self.page_size * self.kv_bytes_per_token
+            if self.host_kv_used + nbytes > self.caps.host_kv_bytes:
+                continue
+            hk = HostKV(self.runner.read_pages(deepest.pages), nbytes)
+            self.host_kv_used += nbytes
+            self.counters["transfer_bytes"]["main_kv_d2h"] += nbytes
+            for c in movable:
+                self.pages.free(c.pages)
+                c.pages = []
+                c.host_kv = hk
+                hk.refs += 1
+            self.counters["pressure"]["private_owner_degraded"] += 1
+            return True
+        return False
 
     # -- admission --------------------------------------------------------------------------------
     def select(self, prompt: list[int]) -> tuple[Checkpoint | None, Continuation | None, str | None]:
@@ -200,9 +244,9 @@ class ContextCache:
         """Plan the head request's reuse and free pages (evicting inactive owners) until its
         entitlement fits; False when it must wait."""
         ckpt, owner, kind = self.select(seq.prompt_ids)
-        shared = ckpt.frontier // self.page_size if ckpt is not None else 0
-        need = seq.entitlement_pages - shared
-        while not self.pages.can_allocate(need):
+        while not self.pages.can_allocate(seq.entitlement_pages - self._shared_pages(ckpt)):
+            if self._demote_one(keep=ckpt):
+                continue
             if not self._evict_one(keep=ckpt):
                 return False
         return True
@@ -220,9 +264,11 @@ class ContextCache:
                 owner.busy += 1
                 plan.inherited = self._inherit(owner, ckpt)
         f = plan.frontier
-        n_shared = f // self.page_size
+        n_shared = self._shared_pages(ckpt)
         fresh = self.pages.allocate(seq.entitlement_pages - n_shared)
         seq.pages = (self.pages.share(ckpt.pages[:n_shared]) if n_shared else []) + fresh
+        if ckpt is not None:
+            ckpt.pins += 1  # materialize copies from it: it may not be demoted before then
         seq.num_cached = f
         seq.cache_n = f
         seq.cache_plan = plan
@@ -316,9 +362,16 @@ class ContextCache:
             else:
                 self.runner.restore_state(ckpt.image, seq.slot)
                 self.counters["transfer_bytes"]["state_h2d"] += ckpt.image.nbytes
-            tail = ckpt.frontier // self.page_size
-            if ckpt.frontier % self.page_size:
-                self.runner.copy_page(ckpt.pages[tail], seq.pages[tail])
+            if ckpt.host_kv is not None:
+                # Host KV: the request gets its own copy of every page of the prefix.
+                n = pages_for(ckpt.frontier, self.page_size)
+                self.runner.write_pages(seq.pages[:n], {k: v[:n] for k, v in ckpt.host_kv.tensors.items()})
+                self.counters["transfer_bytes"]["main_kv_h2d"] += n * self.page_size * self.kv_bytes_per_token
+            else:
+                tail = ckpt.frontier // self.page_size
+                if ckpt.frontier % self.page_size:
+                    self.runner.copy_page(ckpt.pages[tail], seq.pages[tail])
+            ckpt.pins -= 1
         plan.materialized = True
 
     # -- capture ------------------------------------------------------------------------------------
@@ -474,6 +527,8 @@ class ContextCache:
         for e in plan.captured + plan.inherited:
             self._drop(e.ckpt)
         if plan.ckpt is not None:
+            if not plan.materialized:
+                plan.ckpt.pins -= 1
             self._drop(plan.ckpt)
         plan.captured, plan.inherited, plan.ckpt = [], [], None
 
@@ -532,8 +587,18 @@ class ContextCache:
         for key, c in ckpts.items():
             assert c.refs == refs[key], f"checkpoint {c.id}: refs {c.refs}, holders {refs[key]}"
         holders: dict[int, int] = {}
+        host_kv = {}
         for c in ckpts.values():
-            assert len(c.pages) == pages_for(c.frontier, self.page_size), f"checkpoint {c.id} pages"
+            if c.host_kv is not None:
+                assert not c.pages, f"checkpoint {c.id} holds pages and Host KV"
+                assert next(iter(c.host_kv.tensors.values())).shape[0] >= pages_for(c.frontier, self.page_size)
+                host_kv.setdefault(id(c.host_kv), [c.host_kv, 0])[1] += 1
+            else:
+                assert len(c.pages) == pages_for(c.frontier, self.page_size), f"checkpoint {c.id} pages"
+        assert all(hk.refs == n for hk, n in host_kv.values()), "Host KV references"
+        assert sum(hk.nbytes for hk, _ in host_kv.values()) == self.host_kv_used, "Host KV bytes"
+        assert self.host_kv_used <= self.caps.host_kv_bytes
+        for c in ckpts.values():
             for p in c.pages:
                 holders[p] = holders.get(p, 0) + 1
         for seq in lanes:
@@ -556,7 +621,7 @@ class ContextCache:
             "host_state_slots": self.caps.host_state_slots,
             "host_state_slots_used": self.host_images,
             "host_kv_bytes": self.caps.host_kv_bytes,
-            "host_kv_bytes_used": 0,
+            "host_kv_bytes_used": self.host_kv_used,
             "state_image_bytes": self.state_bytes,
             "private_continuations": sum(c is not None for c in self.continuations),
             "max_private_continuations": self.caps.max_private_continuations,
@@ -603,7 +668,8 @@ def build_context_cache(runner, pages: PagePool, options, state_bytes: int, page
         log.info("context cache off: the model runner cannot capture state")
         return None
     caps = CacheCapacities.resolve(options, state_bytes)
-    return ContextCache(runner, pages, options.max_concurrency, caps, state_bytes, page_size)
+    return ContextCache(runner, pages, options.max_concurrency, caps, state_bytes, page_size,
+                        runner.cache_spec().kv_bytes_per_token)
 
 
 def derive_hints(tokenizer, prompt: list[int]) -> CheckpointHints:

@@ -72,7 +72,11 @@ def collect(cache, slot: int, if_digest: str | None, compat: dict) -> SlotImage:
         raise slot_error("slot_save_failed", f"slot {slot} holds no session to save")
     _check_digest(cont, if_digest)
     deepest = cont.deepest()
-    kv = cache.runner.read_pages(deepest.pages)
+    if deepest.host_kv is not None:  # demoted to Host: the copy already is what a file holds
+        n = pages_for(deepest.frontier, cache.page_size)
+        kv = {k: v[:n] for k, v in deepest.host_kv.tensors.items()}
+    else:
+        kv = cache.runner.read_pages(deepest.pages)
     ckpts = []
     for e in sorted(cont.entries, key=lambda e: e.ckpt.frontier):
         c = e.ckpt

@@ -48,6 +48,8 @@ class Checkpoint:
     refs: int = 0
     last_used: float = 0.0
     id: int = field(default_factory=lambda: next(_ids))
+    host_kv: "HostKV | None" = None  # demoted: its KV pages live in Host memory, `pages` is empty
+    pins: int = 0  # running requests that will copy from it (never demoted meanwhile)
 
     @property
     def frontier(self) -> int:
@@ -65,6 +67,16 @@ class Checkpoint:
         """True when the prompt starts with this checkpoint's tokens and runs past them."""
         f = len(self.tokens)
         return f < len(prompt) and tuple(prompt[:f]) == self.tokens
+
+
+@dataclass(eq=False)
+class HostKV:
+    """Host copies of KV pages ({name: tensor [pages, ...]}), shared by the checkpoints of one
+    demoted continuation: each uses the first pages_for(frontier) of them."""
+
+    tensors: dict
+    nbytes: int
+    refs: int = 0
 
 
 @dataclass(eq=False)
