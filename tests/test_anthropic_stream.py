@@ -291,6 +291,26 @@ def test_engine_errors_aggregate_and_stream(app, error, status, type_):
     assert ctx.ingress.admitted == 0
 
 
+def test_failure_before_the_stream_starts_keeps_its_http_status(app):
+    client, ctx, engine = app()
+    late = EngineError(503, "request_queue_timeout", "not admitted in time")
+    engine.script = lambda req: [EngineEvent("error", error=late)]
+    r = post(client, stream=True)
+    assert r.status_code == 504 and r.headers["content-type"].startswith("application/json")
+    assert r.json() == {"type": "error", "error": {"type": "timeout_error", "message": "not admitted in time",
+                                                   "code": "request_queue_timeout"},
+                        "request_id": r.headers["request-id"]}
+    # after a keep-alive interval the stream has started: the same failure is an error event
+    ctx.keepalive_s = 0.02
+    engine.delay_s = 0.1
+    r = post(client, stream=True)
+    assert r.status_code == 200
+    events = sse(r.text)
+    assert events[0] == ("comment", ": keep-alive") and events[1][0] == "ping"
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "timeout_error"
+    assert ctx.ingress.admitted == 0
+
+
 def test_cancelled_stream_ends_with_an_error_event(app):
     client, ctx, engine = app()
     engine.script = lambda req: [EngineEvent("admitted"), EngineEvent("finish", finish_reason="cancelled",

@@ -9,6 +9,7 @@ Anthropic envelope (server/errors.py) with `request_id` and a `request-id` heade
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -269,7 +270,15 @@ class AnthropicMessages:
             raise
         mid = "msg_" + uuid.uuid4().hex[:24]
         if plan.stream:
-            body = self._stream(ctx, handle, plan, prompt, mid, request_id)
+            try:
+                events = await self._first_event(request, ctx, handle)
+            except ClientDisconnected:
+                release()
+                return Response(status_code=499)
+            except BaseException:
+                release()
+                raise
+            body = self._stream(ctx, events, plan, prompt, mid, request_id)
             return EventStreamResponse(body, on_disconnect=handle.cancel, on_close=release)
         try:
             result = await unless_disconnected(request, self._aggregate(handle, plan, prompt, mid),
@@ -279,6 +288,40 @@ class AnthropicMessages:
         finally:
             release()
         return JSONResponse(result)
+
+    @staticmethod
+    async def _first_event(request: Request, ctx: ServerContext, handle) -> AsyncIterator[EngineEvent]:
+        """The handle's events, once the first arrived or a keep-alive interval passed.
+
+        Holding the response headers back until then lets a failure before admission (a queue
+        timeout, an engine error) answer with its own HTTP status; a request still queued after the
+        interval starts its stream, whose keep-alive comments and pings then show it is alive.
+        """
+        events = handle.events().__aiter__()
+        pending = asyncio.ensure_future(events.__anext__())
+        try:
+            await unless_disconnected(request, asyncio.wait({pending}, timeout=ctx.keepalive_s),
+                                      handle.cancel)
+        except BaseException:
+            pending.cancel()
+            raise
+        if pending.done() and not pending.cancelled() and pending.exception() is None:
+            ev = pending.result()
+            if ev.kind == "error":
+                raise ev.error
+            if ev.kind == "finish" and ev.finish_reason == "cancelled":
+                raise _cancelled_error()
+
+        async def chained() -> AsyncIterator[EngineEvent]:
+            try:
+                first = await pending
+            except StopAsyncIteration:
+                return
+            yield first
+            async for ev in events:
+                yield ev
+
+        return chained()
 
     @staticmethod
     def _decoder(plan: MessagesPlan, prompt: Prompt) -> OutputDecoder:
@@ -305,8 +348,8 @@ class AnthropicMessages:
                         "usage": final_usage(ev, prompt)}
         raise _internal_error("The engine ended the request without finishing it.")
 
-    async def _stream(self, ctx: ServerContext, handle, plan: MessagesPlan, prompt: Prompt, mid: str,
-                      request_id: str) -> AsyncIterator[str]:
+    async def _stream(self, ctx: ServerContext, engine_events: AsyncIterator[EngineEvent], plan: MessagesPlan,
+                      prompt: Prompt, mid: str, request_id: str) -> AsyncIterator[str]:
         decoder = self._decoder(plan, prompt)
         writer = BlockWriter(plan.display_omitted)
         started = False
@@ -324,7 +367,7 @@ class AnthropicMessages:
                 "usage": usage(prompt_tokens, u.cached_tokens if u else 0, 0)}})
 
         try:
-            async with aclosing(with_keepalive(handle.events(), ctx.keepalive_s)) as events:
+            async with aclosing(with_keepalive(engine_events, ctx.keepalive_s)) as events:
                 async for ev in events:
                     if ev is None:
                         yield KEEPALIVE + PING  # clients skip ping; it shows a queued request is alive

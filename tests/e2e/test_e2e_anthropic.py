@@ -240,6 +240,29 @@ def test_disconnect_mid_stream_cancels_the_request(live_server):
     assert load["counters"]["committed_decode_tokens"] - before < 1000
 
 
+def test_disconnect_while_queued_releases_the_request(live_server):
+    url = live_server.base_url + "/v1/messages"
+    body = {"model": "m", "max_tokens": 4000, "messages": HI, "stream": True, "thinking": OFF, "temperature": 0}
+    with httpx.stream("POST", url, json=body, timeout=60) as running:  # holds the only lane
+        lines = running.iter_lines()  # kept open: closing the iterator would close the stream
+        for line in lines:
+            if line.startswith("event: content_block_delta"):
+                break
+        # a second stream waits in the engine FIFO; its client gives up before any byte arrives
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=httpx.Timeout(30, read=1.0))
+        deadline = time.monotonic() + 20
+        while True:
+            load = httpx.get(live_server.base_url + "/v1/load", timeout=10).json()
+            if load["requests"]["waiting"] == 0 and load["requests"]["admitted"] == 1:
+                break
+            assert time.monotonic() < deadline, f"the abandoned request was not released: {load}"
+            time.sleep(0.05)
+        assert load["requests"]["running"] == 1
+        del lines
+    _wait_idle(live_server)
+
+
 def test_logs_hold_no_prompt_or_output(client, live_server):
     secret = "Quartz-zebra-7129 is my passphrase."
     msg = client.messages.create(model="m", max_tokens=8, system="System-osprey-4411", thinking=OFF,
