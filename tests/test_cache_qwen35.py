@@ -12,14 +12,14 @@ import pytest
 
 pytest.importorskip("ninfer_qwen35")
 
-from ninfer_core.artifact import Artifact  # noqa: E402
-from ninfer_core.config import EngineOptions  # noqa: E402
-from ninfer_core.engine.api import GenerationRequest, SamplingParams  # noqa: E402
-from ninfer_core.engine.checkpoints import CheckpointHints  # noqa: E402
-from ninfer_core.engine.engine import Engine  # noqa: E402
-from ninfer_core.testing import collect, run_async  # noqa: E402
-from ninfer_core.tokenizer import Tokenizer  # noqa: E402
-from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate  # noqa: E402
+from ninfer_core.artifact import Artifact
+from ninfer_core.config import EngineOptions
+from ninfer_core.engine.api import GenerationRequest, SamplingParams
+from ninfer_core.engine.checkpoints import CheckpointHints
+from ninfer_core.engine.engine import Engine
+from ninfer_core.testing import collect, run_async
+from ninfer_core.tokenizer import Tokenizer
+from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
 
 GREEDY = SamplingParams(temperature=0.0)
 TEMPLATE = ChatTemplate(QWEN35_TEMPLATE)

@@ -22,12 +22,10 @@ import json
 import random
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-WORDS = ("cache kernel state page token prefix anchor branch window layer tensor request stream lane "
-         "engine slot queue frontier digest checkpoint image host device memory budget planner").split()
+WORDS = ["cache", "kernel", "state", "page", "token", "prefix", "anchor", "branch", "window", "layer", "tensor", "request", "stream", "lane", "engine", "slot", "queue", "frontier", "digest", "checkpoint", "image", "host", "device", "memory", "budget", "planner"]
 
 
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,7 +199,7 @@ def run_replay(a: argparse.Namespace) -> int:
     tok = Tokenizer.from_section(art.tokenizer_section)
     template = ChatTemplate(art.chat_template or QWEN35_TEMPLATE)
     device = "cpu" if a.device == "cuda" and not _cuda() else a.device
-    common = dict(max_context=32768, kv_capacity=65536, prefill_chunk=1024, max_concurrency=1)
+    common = {"max_context": 32768, "kv_capacity": 65536, "prefill_chunk": 1024, "max_concurrency": 1}
     warm = Engine(family.load(art, device=device), tok, EngineOptions(
         **common, prefix_reuse=True, auto_long_anchors=a.auto_long_anchors, branch_anchors=a.branch_anchors,
         max_private_continuations=8))
@@ -220,7 +218,7 @@ def run_replay(a: argparse.Namespace) -> int:
             last_of: dict[int, list[int]] = {}
             first = [True]
 
-            def serve(turn: Turn) -> str:
+            def serve(turn: Turn, stats=stats, last_of=last_of, first=first) -> str:
                 previous = last_of.get(turn.client)
                 ids = tok.encode(template.render(turn.messages, tools=turn.tools, add_generation_prompt=True,
                                                  enable_thinking=False))

@@ -65,7 +65,7 @@ class CacheCapacities:
     host_cache_budget_bytes: int | None = None
 
     @classmethod
-    def resolve(cls, options, state_bytes: int) -> "CacheCapacities":
+    def resolve(cls, options, state_bytes: int) -> CacheCapacities:
         """From EngineOptions; `--host-cache-mib` derives the Host state/KV split.
 
         Raises ValueError when the state footprint a budget implies exceeds half of it.
@@ -240,10 +240,10 @@ class ContextCache:
                 best = (c, owner, e.kind)
         return best
 
-    def make_room(self, seq: "Sequence") -> bool:
+    def make_room(self, seq: Sequence) -> bool:
         """Plan the head request's reuse and free pages (evicting inactive owners) until its
         entitlement fits; False when it must wait."""
-        ckpt, owner, kind = self.select(seq.prompt_ids)
+        ckpt = self.select(seq.prompt_ids)[0]
         while not self.pages.can_allocate(seq.entitlement_pages - self._shared_pages(ckpt)):
             if self._demote_one(keep=ckpt):
                 continue
@@ -251,7 +251,7 @@ class ContextCache:
                 return False
         return True
 
-    def admit(self, seq: "Sequence", now: float) -> None:
+    def admit(self, seq: Sequence, now: float) -> None:
         """Give an admitted request its pages (shared prefix + fresh) and its reuse plan."""
         ckpt, owner, kind = self.select(seq.prompt_ids)
         plan = ReusePlan()
@@ -293,7 +293,7 @@ class ContextCache:
             keep.append(Entry(kind, self._hold(e.ckpt)))
         return keep
 
-    def _plan_captures(self, seq: "Sequence", plan: ReusePlan) -> dict[int, str]:
+    def _plan_captures(self, seq: Sequence, plan: ReusePlan) -> dict[int, str]:
         hints: CheckpointHints = seq.hints or CheckpointHints()
         f, n = plan.frontier, seq.prompt_len
         out: dict[int, str] = {}
@@ -349,7 +349,7 @@ class ContextCache:
             best = max(best, i)
         return best
 
-    def materialize(self, seq: "Sequence") -> None:
+    def materialize(self, seq: Sequence) -> None:
         """After admission, on the worker: copy the checkpoint's state into the lane's slot and the
         partly filled tail page into the lane's own page (copy-on-write); or reset for root."""
         plan: ReusePlan = seq.cache_plan
@@ -375,7 +375,7 @@ class ContextCache:
         plan.materialized = True
 
     # -- capture ------------------------------------------------------------------------------------
-    def next_split(self, seq: "Sequence") -> int | None:
+    def next_split(self, seq: Sequence) -> int | None:
         """The next planned capture frontier above the lane's position, if any."""
         plan = getattr(seq, "cache_plan", None)
         if plan is None:
@@ -383,7 +383,7 @@ class ContextCache:
         ahead = [p for p in plan.captures if p > seq.num_cached]
         return min(ahead) if ahead else None
 
-    def after_chunk(self, seq: "Sequence", now: float) -> None:
+    def after_chunk(self, seq: Sequence, now: float) -> None:
         """Capture at a planned frontier the prefill chunk just reached."""
         plan = getattr(seq, "cache_plan", None)
         if plan is None:
@@ -399,7 +399,7 @@ class ContextCache:
             kind = "long_anchor"  # the conversation may also resume from it privately
         plan.captured.append(Entry(kind, ckpt))
 
-    def _capture(self, seq: "Sequence", tokens: list[int], now: float) -> Checkpoint | None:
+    def _capture(self, seq: Sequence, tokens: list[int], now: float) -> Checkpoint | None:
         """A checkpoint of the lane's current state and pages (held once, by the caller)."""
         slot = self._device_slot(now)
         ckpt = Checkpoint(tuple(tokens), [], last_used=now)
@@ -450,7 +450,7 @@ class ContextCache:
         self.shared.append(Entry("shared", self._hold(ckpt)))
 
     # -- finish -------------------------------------------------------------------------------------
-    def on_finish(self, seq: "Sequence", completed: bool, now: float) -> Continuation | None:
+    def on_finish(self, seq: Sequence, completed: bool, now: float) -> Continuation | None:
         """Publish a finished request as a private continuation (endpoint + what it captured and
         inherited), then let go of everything it held. Cancelled or failed requests publish
         nothing. Returns the continuation, if one was retained."""
@@ -465,7 +465,7 @@ class ContextCache:
             self.release(seq)
         return result
 
-    def _publish(self, seq: "Sequence", plan: ReusePlan, now: float) -> Continuation | None:
+    def _publish(self, seq: Sequence, plan: ReusePlan, now: float) -> Continuation | None:
         executed = seq.prompt_ids + seq.output_ids[:-1] if seq.output_ids else seq.prompt_ids
         executed = executed[: seq.num_cached]
         entries: list[Entry] = []
@@ -516,7 +516,7 @@ class ContextCache:
             self._drop(e.ckpt)
         cont.entries = []
 
-    def release(self, seq: "Sequence") -> None:
+    def release(self, seq: Sequence) -> None:
         """Drop every hold a request took at admission (cancel, failure or after publishing)."""
         plan: ReusePlan | None = getattr(seq, "cache_plan", None)
         if plan is None:
@@ -568,7 +568,7 @@ class ContextCache:
         self.shared = []
         self._sightings.clear()
 
-    def audit(self, lanes: list["Sequence"] = ()) -> None:
+    def audit(self, lanes: list[Sequence] = ()) -> None:
         """Check the pools against the holders: every page's reference count equals the checkpoints
         and lanes holding it, and every Device slot and Host image belongs to a live checkpoint.
         Raises AssertionError naming the first difference (tests and invariant checks)."""
@@ -635,7 +635,7 @@ class ContextCache:
             "transfer_bytes": dict(self.counters["transfer_bytes"]),
         }
 
-    def slots_report(self, n_ctx: int, active: list["Sequence"]) -> list[dict]:
+    def slots_report(self, n_ctx: int, active: list[Sequence]) -> list[dict]:
         """GET /slots: one row per private continuation cell."""
         rows = []
         for i, c in enumerate(self.continuations):

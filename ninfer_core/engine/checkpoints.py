@@ -48,7 +48,7 @@ class Checkpoint:
     refs: int = 0
     last_used: float = 0.0
     id: int = field(default_factory=lambda: next(_ids))
-    host_kv: "HostKV | None" = None  # demoted: its KV pages live in Host memory, `pages` is empty
+    host_kv: HostKV | None = None  # demoted: its KV pages live in Host memory, `pages` is empty
     pins: int = 0  # running requests that will copy from it (never demoted meanwhile)
 
     @property

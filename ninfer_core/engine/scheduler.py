@@ -10,7 +10,7 @@ import time
 from collections import deque
 
 from ninfer_core.engine.pages import PagePool
-from ninfer_core.engine.request import Sequence, SeqStatus
+from ninfer_core.engine.request import SeqStatus, Sequence
 from ninfer_core.engine.slots import SlotPool
 
 STARVATION_LIMIT = 8  # a staged lane passed over this many times runs the next prefill unit
