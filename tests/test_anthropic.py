@@ -185,6 +185,9 @@ BAD = [
      "output_format_not_supported", "output_config.format"),
     ({"output_config": {"format": {"type": "yaml"}}}, 400, "invalid_value", "output_config.format.type"),
     ({"output_config": {"effort": "extreme"}}, 400, "invalid_value", "output_config.effort"),
+    ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, 400, "output_format_not_supported",
+     "output_format"),
+    ({"output_format": "json"}, 400, "invalid_type", "output_format"),
     ({"output_config": "high"}, 400, "invalid_type", "output_config"),
     ({"graft": "v1"}, 400, "unknown_graft", "graft"),
     ({"graft": 3}, 400, "invalid_type", "graft"),
@@ -300,6 +303,8 @@ def test_request_id_header_and_doubled_prefix(app):
         assert engine.requests[-1].request_id == r.headers["request-id"]
     r = client.post("/v1/v1/messages/count_tokens", json=body_of())
     assert r.status_code == 200 and r.headers["request-id"].startswith("req_")
+    check_error(client.post("/v1/v1/messages", json=body_of(max_tokens=0)), 400, "invalid_request_error",
+                "invalid_value", "max_tokens")
     ids.add(r.headers["request-id"])
     assert len(ids) == 3
     assert client.get("/v1/models").headers["x-request-id"].startswith("req_")

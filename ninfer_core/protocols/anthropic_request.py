@@ -242,17 +242,18 @@ def _template_kwargs(data: dict, ctx: ServerContext, thinking: bool,
 
 
 def _output_format(data: dict) -> None:
+    """output_config.format (and the older top-level output_format) ask for enforced JSON."""
     oc = data.get("output_config")
-    fmt = oc.get("format") if isinstance(oc, dict) else None
-    if fmt is None:
-        return
-    if not isinstance(fmt, dict):
-        raise wrong_type("output_config.format", "an object")
-    if fmt.get("type") != "json_schema":
-        raise bad_request("invalid_value", "'output_config.format.type' must be json_schema.",
-                          "output_config.format.type")
-    raise bad_request("output_format_not_supported", "output_config.format needs a server started with "
-                      "--structured-output, which this build does not offer yet.", "output_config.format")
+    for param, fmt in (("output_config.format", oc.get("format") if isinstance(oc, dict) else None),
+                       ("output_format", data.get("output_format"))):
+        if fmt is None:
+            continue
+        if not isinstance(fmt, dict):
+            raise wrong_type(param, "an object")
+        if fmt.get("type") != "json_schema":
+            raise bad_request("invalid_value", f"'{param}.type' must be json_schema.", f"{param}.type")
+        raise bad_request("output_format_not_supported", f"{param} needs a server started with "
+                          "--structured-output, which this build does not offer yet.", param)
 
 
 _POST_THINKING = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
