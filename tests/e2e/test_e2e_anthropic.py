@@ -286,3 +286,23 @@ def test_api_key_as_x_api_key(start_server):
     assert e.value.status_code == 401 and e.value.body["error"]["type"] == "authentication_error"
     assert e.value.request_id.startswith("req_")
     assert "local-secret" not in server.log()
+
+
+def test_loading_answers_in_the_anthropic_envelope(start_server):
+    server = start_server(wait_ready=False)
+    seen = []
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=30) as http:
+        while True:
+            r = http.post(server.base_url + "/v1/messages/count_tokens", json={"model": "m", "messages": HI})
+            if r.status_code == 200:
+                break
+            seen.append(r)
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.02)
+    assert seen, "the poll never saw the loading state"
+    for r in seen:
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json() == {"type": "error", "error": {"type": "api_error",
+                                                       "message": "The model is still loading. Retry shortly."},
+                            "request_id": r.headers["request-id"]}
