@@ -83,6 +83,7 @@ class Usage:
 class EngineEvent:
     """kind: "admitted" | "delta" | "finish" | "error".
 
+    admitted: `usage` with prompt_tokens and cached_tokens (the reused prefix admission chose).
     delta: `token_ids` committed and `text` (their decoded text, stop strings withheld).
     finish: `finish_reason` "stop" | "length" (| "cancelled"), `usage`, `timings`,
             `stop_reason` detail ("eos", "stop_string", "max_tokens", "context"),
