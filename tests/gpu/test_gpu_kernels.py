@@ -83,3 +83,8 @@ def test_fla_prefill_matches_reference_with_initial_state():
     print(f"fla chunk prefill vs reference: out {e_o:.2e}, final state {e_s:.2e}")
     assert e_o < 2e-2 and e_s < 2e-2
     assert torch.equal(ssm[0], ssm_ref[0]) and torch.equal(ssm[1], ssm_ref[1])
+
+
+def test_fused_elementwise_and_glue_kernels_bf16():
+    cases.fused_elementwise("cuda", rows=9, hidden=5120)
+    cases.conv_and_qk("cuda")

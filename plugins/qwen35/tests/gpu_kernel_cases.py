@@ -149,3 +149,36 @@ def fused_elementwise(device="cpu", rows=5, hidden=320, tol=None):
     e = rel(K.silu_mul(gu), K.ref_silu_mul(gu))
     print(f"silu_mul: {e:.2e}")
     assert e < tol
+
+
+def conv_and_qk(device="cpu", tol=None):
+    """conv_update and qk_norm_rope against their references (strided inputs, scattered slots)."""
+    gen = torch.Generator(device=device).manual_seed(13)
+    dt = act_dtype(device) if tol is None else torch.float32
+    tol = tol or 1e-2
+    b, c = 3, 2100
+    proj = torch.randn(b, c + 40, generator=gen, device=device).to(dt)
+    mixed = proj[:, :c]
+    state = torch.randn(5, c, 3, generator=gen, device=device).to(dt)
+    w = (torch.randn(c, 4, generator=gen, device=device) * 0.5).to(dt)
+    slots = torch.tensor([4, 0, 2], device=device)
+    ref_state = state.clone()
+    ref = K.ref_conv_update(mixed, ref_state, w, slots)
+    out = K.conv_update(mixed, state, w, slots)
+    e1, e2 = rel(out, ref), rel(state, ref_state)
+    print(f"conv_update: out {e1:.2e}, state {e2:.2e}")
+    assert e1 < tol and e2 < tol
+    n, h, kvh, d, rot = 7, 4, 2, 64, 16
+    p = torch.randn(n, h * 2 * d + 2 * kvh * d, generator=gen, device=device).to(dt)
+    q = p[:, : h * 2 * d].view(n, h, 2 * d)[..., :d]
+    k = p[:, h * 2 * d : h * 2 * d + kvh * d].view(n, kvh, d)
+    qw = (torch.randn(d, generator=gen, device=device) * 0.1).to(dt)
+    kw = (torch.randn(d, generator=gen, device=device) * 0.1).to(dt)
+    ang = torch.rand(n, rot // 2, generator=gen, device=device) * 6
+    cos = torch.cat([ang, ang], -1).cos().to(dt)
+    sin = torch.cat([ang, ang], -1).sin().to(dt)
+    rq, rk = K.ref_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    oq, ok = K.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    e1, e2 = rel(oq, rq), rel(ok, rk)
+    print(f"qk_norm_rope: q {e1:.2e}, k {e2:.2e}")
+    assert e1 < tol and e2 < tol

@@ -42,3 +42,7 @@ def test_gpu_runner_with_interpreted_kernels_matches_reference():
 
 def test_fused_elementwise_kernels_match_reference():
     _run("fused_elementwise")
+
+
+def test_conv_update_and_qk_norm_rope_kernels_match_reference():
+    _run("conv_and_qk")

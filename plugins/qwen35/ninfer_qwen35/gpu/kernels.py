@@ -411,3 +411,116 @@ def silu_mul(gu):
     _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block,
                                                     num_warps=4)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# decode/prefill glue fused: conv-state update (+SiLU) and q/k RMSNorm + partial RoPE
+# ------------------------------------------------------------------------------------------------
+def ref_conv_update(mixed, conv_all, weight, slots):
+    """One new column per lane: silu(depthwise conv over [state | x]); the state shifts in place.
+    mixed [B, C]; conv_all [S, C, K-1]; weight [C, K]; slots [B]."""
+    full = torch.cat([conv_all[slots].to(mixed.dtype), mixed[..., None]], dim=-1)
+    out = F.silu((full * weight[None]).sum(-1))
+    conv_all[slots] = full[..., 1:].to(conv_all.dtype)
+    return out
+
+
+def ref_qk_norm_rope(q, k, q_w, k_w, cos, sin, eps):
+    """Zero-centred RMSNorm of q [N, H, D] and k [N, KVH, D] over D, then neox RoPE on the first
+    cos.shape[-1] dims; returns contiguous (q, k)."""
+    from ninfer_qwen35.layers import apply_rotary
+
+    def norm(x, w):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * (1.0 + w.float())).to(x.dtype)
+
+    return apply_rotary(norm(q, q_w), cos, sin).contiguous(), apply_rotary(norm(k, k_w), cos, sin).contiguous()
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _conv_update_kernel(MIXED, STATE, W, SLOTS, OUT, C, s_mb, s_s0, s_ob, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < C
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        x = tl.load(MIXED + b * s_mb + c, mask=m, other=0.0)
+        sp = STATE + slot * s_s0 + c * 3
+        s0 = tl.load(sp, mask=m, other=0.0)
+        s1 = tl.load(sp + 1, mask=m, other=0.0)
+        s2 = tl.load(sp + 2, mask=m, other=0.0)
+        wp = W + c * 4
+        acc = (s0.to(tl.float32) * tl.load(wp, mask=m, other=0.0).to(tl.float32)
+               + s1.to(tl.float32) * tl.load(wp + 1, mask=m, other=0.0).to(tl.float32)
+               + s2.to(tl.float32) * tl.load(wp + 2, mask=m, other=0.0).to(tl.float32)
+               + x.to(tl.float32) * tl.load(wp + 3, mask=m, other=0.0).to(tl.float32))
+        tl.store(sp, s1, mask=m)
+        tl.store(sp + 1, s2, mask=m)
+        tl.store(sp + 2, x.to(s2.dtype), mask=m)
+        tl.store(OUT + b * s_ob + c, (acc * tl.sigmoid(acc)).to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(Q, K, QW, KW, COS, SIN, QO, KO, eps,
+                             s_qn, s_qh, s_kn, s_kh, s_cn, s_qon, s_qoh, s_kon, s_koh,
+                             H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        is_q = h < H
+        hq = tl.minimum(h, H - 1)
+        hk = tl.maximum(h - H, 0)
+        d = tl.arange(0, D)
+        half: tl.constexpr = ROT // 2
+        partner = tl.where(d < half, d + half, d - half)
+        in_rot = d < ROT
+        pq = Q + n * s_qn + hq * s_qh
+        pk = K + n * s_kn + hk * s_kh
+        x = tl.where(is_q, tl.load(pq + d), tl.load(pk + d)).to(tl.float32)
+        w = tl.where(is_q, tl.load(QW + d), tl.load(KW + d)).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        y = (x * r * (1.0 + w)).to(QO.dtype.element_ty).to(tl.float32)
+        xp = tl.where(is_q, tl.load(pq + partner, mask=in_rot, other=0.0),
+                      tl.load(pk + partner, mask=in_rot, other=0.0)).to(tl.float32)
+        wp = tl.where(is_q, tl.load(QW + partner, mask=in_rot, other=0.0),
+                      tl.load(KW + partner, mask=in_rot, other=0.0)).to(tl.float32)
+        yp = (xp * r * (1.0 + wp)).to(QO.dtype.element_ty).to(tl.float32)
+        cs = tl.load(COS + n * s_cn + d, mask=in_rot, other=1.0).to(tl.float32)
+        sn = tl.load(SIN + n * s_cn + d, mask=in_rot, other=0.0).to(tl.float32)
+        sign = tl.where(d < half, -1.0, 1.0)
+        out = tl.where(in_rot, y * cs + sign * yp * sn, y).to(QO.dtype.element_ty)
+        hvec = tl.zeros([D], dtype=tl.int32) + h
+        tl.store(QO + n * s_qon + hq * s_qoh + d, out, mask=hvec < H)
+        tl.store(KO + n * s_kon + hk * s_koh + d, out, mask=hvec >= H)
+
+
+def conv_update(mixed, conv_all, weight, slots):
+    """See ref_conv_update (kernel width 4). CUDA-graph safe; slots int64 contiguous."""
+    if not use_triton(mixed) or weight.shape[-1] != 4:
+        return ref_conv_update(mixed, conv_all, weight, slots)
+    b, c = mixed.shape
+    assert mixed.stride(1) == 1 and conv_all.is_contiguous() and weight.is_contiguous() and slots.is_contiguous()
+    out = torch.empty(b, c, dtype=mixed.dtype, device=mixed.device)
+    block = 1024
+    _conv_update_kernel[(b, triton.cdiv(c, block))](mixed, conv_all, weight, slots, out, c, mixed.stride(0),
+                                                    conv_all.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+def qk_norm_rope(q, k, q_w, k_w, cos, sin, eps):
+    """See ref_qk_norm_rope; q, k may be strided views (last dim contiguous)."""
+    if not use_triton(q):
+        return ref_qk_norm_rope(q, k, q_w, k_w, cos, sin, eps)
+    n, h, d = q.shape
+    kvh = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+    assert d == triton.next_power_of_2(d)
+    qo = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(n, kvh, d, dtype=k.dtype, device=k.device)
+    _qk_norm_rope_kernel[(n, h + kvh)](
+        q, k, q_w, k_w, cos, sin, qo, ko, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        H=h, D=d, ROT=cos.shape[-1], num_warps=4,
+    )
+    return qo, ko
