@@ -34,6 +34,11 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=6, help="turns per scripted session")
     p.add_argument("--system-tokens", type=int, default=1500, help="approximate system prompt size")
     p.add_argument("--reply-tokens", type=int, default=48, help="tokens generated per turn")
+    p.add_argument("--replay-model", default="default",
+                   help="model of the replay: 'default' (the small model `ninfer serve` builds), a shape name "
+                        "(random weights on the device) or a .ninfer path")
+    p.add_argument("--replay-context", type=int, default=32768, help="--max-context of the replay engine")
+    p.add_argument("--replay-chunk", type=int, default=1024, help="--prefill-chunk of the replay engine")
     p.add_argument("--auto-long-anchors", action="store_true", help="serve with --auto-long-anchors")
     p.add_argument("--branch-anchors", action="store_true", help="serve with --branch-anchors")
 
@@ -63,10 +68,13 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 
 
-def build_scenarios(rng: random.Random, turns: int, system_tokens: int) -> list[tuple[str, Any]]:
-    """Each scenario is a generator function (serve) -> None that calls serve(Turn) per turn and
-    reads back the reply text."""
-    system = {"role": "system", "content": _text(rng, system_tokens // 2)}
+def build_scenarios(rng: random.Random, turns: int, system_tokens: int, tok) -> list[tuple[str, Any]]:
+    """Each scenario is a function (serve) -> None that calls serve(Turn) per turn and reads back
+    the reply text. The system prompt is grown to about `system_tokens` tokens of `tok`."""
+    words = []
+    while len(tok.encode(" ".join(words))) < system_tokens:
+        words += _text(rng, 64).split()
+    system = {"role": "system", "content": " ".join(words)}
 
     def user(n=40):
         return {"role": "user", "content": _text(rng, n)}
@@ -177,100 +185,118 @@ async def _generate(engine, ids, hints, max_tokens):
 
 
 def run_replay(a: argparse.Namespace) -> int:
+    """One cached Engine serves every turn; after each scenario the catalog is audited and cleared
+    (the pools must be idle), and the scenario's last prompt is served again from root for the
+    cold time to first token."""
     from ninfer_core.artifact import Artifact
+    from ninfer_core.bench.shapes import SHAPES
     from ninfer_core.config import EngineOptions
     from ninfer_core.engine.cache import derive_hints
     from ninfer_core.engine.engine import Engine
-    from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
+    from ninfer_core.plugins import PluginHost, PluginSelection
     from ninfer_core.server.serve import cache_dir
     from ninfer_core.tokenizer import Tokenizer
     from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
 
+    device = "cpu" if a.device.startswith("cuda") and not _cuda() else a.device
     host = PluginHost(PluginSelection.from_sources(a.plugin))
     try:
-        path = a.shape if str(a.shape).endswith(".ninfer") else host.default_artifact(str(cache_dir()))
-        art = Artifact.open(path)
-        reg = host.family_for_architecture(art.architecture)
-    except (PluginError, OSError, Exception) as e:  # noqa: BLE001 - reported, exit 1
+        model = a.replay_model
+        if model in SHAPES:
+            reg = host.family_for_architecture(SHAPES[model]["model_type"])
+            target = reg.load()
+            family = target() if isinstance(target, type) else target
+            art = family.random_artifact(SHAPES[model], device=device, seed=a.seed)
+        else:
+            path = model if model != "default" else host.default_artifact(str(cache_dir()))
+            art = Artifact.open(path)
+            reg = host.family_for_architecture(art.architecture)
+            target = reg.load()
+            family = target() if isinstance(target, type) else target
+    except Exception as e:  # noqa: BLE001 - reported, exit 1
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    target = reg.load()
-    family = target() if isinstance(target, type) else target
     tok = Tokenizer.from_section(art.tokenizer_section)
-    template = ChatTemplate(art.chat_template or QWEN35_TEMPLATE)
-    device = "cpu" if a.device == "cuda" and not _cuda() else a.device
-    common = {"max_context": 32768, "kv_capacity": 65536, "prefill_chunk": 1024, "max_concurrency": 1}
-    warm = Engine(family.load(art, device=device), tok, EngineOptions(
-        **common, prefix_reuse=True, auto_long_anchors=a.auto_long_anchors, branch_anchors=a.branch_anchors,
+    template = ChatTemplate(getattr(art, "chat_template", None) or QWEN35_TEMPLATE)
+    ctx_len = a.replay_context
+    eng = Engine(family.load(art, device=device), tok, EngineOptions(
+        max_context=ctx_len, kv_capacity=2 * ctx_len, prefill_chunk=a.replay_chunk, max_concurrency=1,
+        prefix_reuse=True, auto_long_anchors=a.auto_long_anchors, branch_anchors=a.branch_anchors,
         max_private_continuations=8))
-    cold = Engine(family.load(art, device=device), tok, EngineOptions(**common, prefix_reuse=False))
-    warm.start()
-    cold.start()
+    eng.start()
     rng = random.Random(a.seed)
     rows = []
     idle = True
-    print(f"replay: {art.name} on {device}, {a.turns} turns per session, reply {a.reply_tokens} tokens, "
-          f"auto_long_anchors={a.auto_long_anchors} branch_anchors={a.branch_anchors}", flush=True)
-    try:
-        for name, script in build_scenarios(rng, a.turns, a.system_tokens):
-            stats = {"prompt": 0, "reused": 0, "warm_ms": [], "cold_ms": [], "prev_ratio": [], "gap": [],
-                     "sources": {}}
-            last_of: dict[int, list[int]] = {}
-            first = [True]
+    print(f"replay: {getattr(art, 'name', a.replay_model)} on {device}, {a.turns} turns per session, system prompt "
+          f"~{a.system_tokens} tokens, reply {a.reply_tokens} tokens, auto_long_anchors={a.auto_long_anchors} "
+          f"branch_anchors={a.branch_anchors}", flush=True)
 
-            def serve(turn: Turn, stats=stats, last_of=last_of, first=first) -> str:
+    def clear_and_check() -> bool:
+        with eng._cv:
+            eng.cache.audit(list(eng.scheduler.lanes))
+        eng.run_control(eng.cache.clear).result(120)
+        snap = eng.snapshot()
+        cc = snap["context_cache"]
+        return (snap["pages_free"] == snap["pages_total"] and snap["slots_free"] == snap["slots_total"]
+                and cc["checkpoints"] == 0 and cc["device_state_slots_used"] == 0
+                and cc["host_state_slots_used"] == 0 and cc["host_kv_bytes_used"] == 0)
+
+    try:
+        # Warm up kernels and allocator once so neither side pays first-use costs.
+        asyncio.run(_generate(eng, tok.encode("warm up " * 64), None, 2))
+        clear_and_check()
+        for name, script in build_scenarios(rng, a.turns, a.system_tokens, tok):
+            stats = {"prompt": 0, "reused": 0, "warm_ms": [], "prev_ratio": [], "gap": [], "sources": {}}
+            last_of: dict[int, list[int]] = {}
+            state = {"first": True, "last_ids": None, "last_warm": 0.0}
+
+            def serve(turn: Turn, stats=stats, last_of=last_of, state=state) -> str:
                 previous = last_of.get(turn.client)
                 ids = tok.encode(template.render(turn.messages, tools=turn.tools, add_generation_prompt=True,
                                                  enable_thinking=False))
                 hints = derive_hints(tok, ids)
                 hints.markers = _marker_positions(tok, template, turn, ids)
-                before = dict(warm.snapshot()["context_cache"]["selections"])
-                out, fin = asyncio.run(_generate(warm, ids, hints, a.reply_tokens))
-                after = warm.snapshot()["context_cache"]["selections"]
+                before = dict(eng.snapshot()["context_cache"]["selections"])
+                out, fin = asyncio.run(_generate(eng, ids, hints, a.reply_tokens))
+                after = eng.snapshot()["context_cache"]["selections"]
                 source = next((k for k in after if after[k] != before[k]), "?")
                 cached = fin.usage.cached_tokens
-                if not first[0]:
-                    _, cfin = asyncio.run(_generate(cold, ids, None, 1))
+                if not state["first"]:
                     stats["prompt"] += len(ids)
                     stats["reused"] += cached
                     stats["warm_ms"].append(fin.timings["prompt_ms"])
-                    stats["cold_ms"].append(cfin.timings["prompt_ms"])
                     stats["sources"][source] = stats["sources"].get(source, 0) + 1
                     if turn.kind == "append" and previous is not None:
                         stats["prev_ratio"].append(min(cached, len(previous)) / len(previous))
                     if turn.kind in ("regenerate", "edit", "branch"):
                         div = _divergence(tok, template, turn, ids, previous)
                         stats["gap"].append((div if div is not None else len(ids)) - cached)
-                first[0] = False
+                    state["last_ids"], state["last_warm"] = ids, fin.timings["prompt_ms"]
+                state["first"] = False
                 last_of[turn.client] = ids
                 return tok.decode(out)
 
             script(serve)
-            # Pool accounting: audited against the holders, then back to idle once cleared.
-            with warm._cv:
-                warm.cache.audit(list(warm.scheduler.lanes))
-            warm.run_control(warm.cache.clear).result(60)
-            snap = warm.snapshot()
-            scenario_idle = (snap["pages_free"] == snap["pages_total"] and snap["slots_free"] == snap["slots_total"]
-                             and snap["context_cache"]["checkpoints"] == 0
-                             and snap["context_cache"]["device_state_slots_used"] == 0
-                             and snap["context_cache"]["host_state_slots_used"] == 0)
-            idle = idle and scenario_idle
-            w, c = statistics.median(stats["warm_ms"]), statistics.median(stats["cold_ms"])
+            idle = clear_and_check() and idle
+            _, cold = asyncio.run(_generate(eng, state["last_ids"], None, 1))  # the last prompt from root
+            cold_ms = cold.timings["prompt_ms"]
+            idle = clear_and_check() and idle
+            w = statistics.median(stats["warm_ms"])
             rows.append({"scenario": name, "reused": stats["reused"], "prompt": stats["prompt"],
                          "reuse_ratio": stats["reused"] / max(stats["prompt"], 1),
                          "prev_turn_reuse_min": min(stats["prev_ratio"]) if stats["prev_ratio"] else None,
                          "divergence_gap_max": max(stats["gap"]) if stats["gap"] else None,
-                         "ttft_warm_ms": w, "ttft_cold_ms": c, "warm_over_cold": w / c if c else None,
+                         "last_prompt_tokens": len(state["last_ids"]), "ttft_warm_median_ms": w,
+                         "ttft_last_warm_ms": state["last_warm"], "ttft_last_cold_ms": cold_ms,
+                         "last_warm_over_cold": state["last_warm"] / cold_ms if cold_ms else None,
                          "sources": stats["sources"]})
     finally:
-        warm.shutdown(timeout=60)
-        cold.shutdown(timeout=60)
+        eng.shutdown(timeout=120)
     _print_table(rows)
     print(f"pool accounting after every scenario (catalog cleared): {'idle' if idle else 'NOT IDLE'}")
     if getattr(a, "json", None):
         with open(a.json, "w") as f:
-            json.dump({"replay": rows, "idle": idle}, f, indent=2)
+            json.dump({"replay": rows, "idle": idle, "device": device, "model": a.replay_model}, f, indent=2)
     return 0 if idle else 1
 
 
@@ -284,8 +310,8 @@ def _cuda() -> bool:
 
 
 def _print_table(rows: list[dict]) -> None:
-    head = (f"{'scenario':<28} {'reused/prompt':>17} {'ratio':>6} {'prev-turn':>9} {'gap':>5} "
-            f"{'TTFT warm/cold ms':>19} {'w/c':>6}  sources")
+    head = (f"{'scenario':<28} {'reused/prompt':>17} {'ratio':>6} {'prev-turn':>9} {'gap':>5} {'last':>6} "
+            f"{'TTFT last warm/cold ms':>23} {'w/c':>6}  sources")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -293,8 +319,10 @@ def _print_table(rows: list[dict]) -> None:
         gap = str(r["divergence_gap_max"]) if r["divergence_gap_max"] is not None else "-"
         src = ", ".join(f"{k}:{v}" for k, v in sorted(r["sources"].items()))
         print(f"{r['scenario']:<28} {r['reused']:>8}/{r['prompt']:<8} {r['reuse_ratio']:>6.3f} {prev:>9} {gap:>5} "
-              f"{r['ttft_warm_ms']:>9.1f}/{r['ttft_cold_ms']:<9.1f} {r['warm_over_cold'] or 0:>6.3f}  {src}")
+              f"{r['last_prompt_tokens']:>6} {r['ttft_last_warm_ms']:>11.1f}/{r['ttft_last_cold_ms']:<11.1f} "
+              f"{r['last_warm_over_cold'] or 0:>6.3f}  {src}")
     print("ratio: prompt tokens reused / prompt tokens over the turns after each session's first; prev-turn: the "
           "least share of the previous turn's prompt an append turn reused; gap: most tokens between the "
-          "divergence point and the resumed frontier; TTFT: median admission-to-first-token, warm (this cache) "
-          "and cold (root-only engine, same prompt)")
+          "divergence point and the resumed frontier; last: the last turn's prompt tokens; TTFT: admission to "
+          "first token of the last turn, warm (from the cache) and cold (the same prompt after the catalog "
+          "was cleared)")
