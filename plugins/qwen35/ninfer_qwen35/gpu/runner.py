@@ -28,6 +28,7 @@ from ninfer_core.engine.model_api import PAGE_SIZE, SeqView
 from ninfer_qwen35.gdn import causal_conv_prefill
 from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu.fla_glue import gdn_prefill
+from ninfer_qwen35.layers import apply_rotary
 from ninfer_qwen35.runner import Qwen35Runner
 
 log = logging.getLogger("ninfer.qwen35.gpu")
@@ -236,7 +237,10 @@ class GpuQwen35Runner(Qwen35Runner):
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
-        conv_out = K.conv_update(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slots)
+        conv_all = self.cache.conv[i]
+        full = torch.cat([conv_all[slots], mixed[..., None]], dim=-1)  # [B, conv_dim, K]
+        conv_out = F.silu((full * mod.conv1d.weight[:, 0, :][None]).sum(-1))
+        conv_all[slots] = full[..., 1:]
         core = K.gdn_decode_inplace(
             conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
             mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
@@ -252,8 +256,9 @@ class GpuQwen35Runner(Qwen35Runner):
         q, gate = qg[..., :hd], qg[..., hd:]
         k = proj[:, nh * 2 * hd : nh * 2 * hd + kvh * hd].view(n, kvh, hd)
         v = proj[:, nh * 2 * hd + kvh * hd :].view(n, kvh, hd)
-        q, k = K.qk_norm_rope(q, k, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps)
-        return q, gate.reshape(n, nh * hd), k, v
+        q = apply_rotary(mod.q_norm(q), cos, sin)
+        k = apply_rotary(mod.k_norm(k), cos, sin)
+        return q.contiguous(), gate.reshape(n, nh * hd), k, v
 
     def _attn_decode(self, i, mod, h, cos, sin, table, lens, wpage, wrow):
         q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
