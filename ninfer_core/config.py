@@ -44,6 +44,10 @@ class EngineOptions:
     branch_anchors: bool = False
     endpoint_anchors: bool = True
     slot_save_path: str | None = None
+    disk_kv_path: str | None = None  # disk tier under the Host tier (ninfer_core.engine.cache_disk)
+    disk_kv_gib: float = 64
+    disk_kv_restore: bool = False
+    disk_kv_model: str = ""  # the artifact's identity, so one model never restores another's files
 
     def resolved_kv_capacity(self) -> int:
         return self.kv_capacity if self.kv_capacity is not None else self.max_context

@@ -133,6 +133,8 @@ class ContextCache:
                  page_size: int, kv_bytes_per_token: int = 0):
         self.runner = runner
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.disk = None  # ninfer_core.engine.cache_disk.DiskTier with --disk-kv-path
+        self._clock = _monotonic
         self.pages = pages
         self.caps = caps
         self.state_bytes = state_bytes
@@ -244,6 +246,9 @@ class ContextCache:
         """Plan the head request's reuse and free pages (evicting inactive owners) until its
         entitlement fits; False when it must wait."""
         ckpt = self.select(seq.prompt_ids)[0]
+        if ckpt is None and self.disk is not None and self.disk.restore:
+            self._restore_from_disk(seq, self._clock())
+            ckpt = self.select(seq.prompt_ids)[0]
         while not self.pages.can_allocate(seq.entitlement_pages - self._shared_pages(ckpt)):
             if self._demote_one(keep=ckpt):
                 continue
@@ -507,8 +512,46 @@ class ContextCache:
             [c for c in self.continuations if c is not None]
         victim = min(victims, key=lambda c: c.last_used)
         self.counters["pressure"]["private_owner_evicted"] += 1
+        self._spill(victim)
         self._release_continuation(victim)
         return victim.slot
+
+    def _spill(self, cont: Continuation) -> None:
+        """Write an evicted continuation to the disk tier (if any) before its memory goes."""
+        if self.disk is None:
+            return
+        from ninfer_core.engine.cache_slots import snapshot_continuation
+
+        try:
+            image = snapshot_continuation(self, cont, self.disk.compat)
+        except Exception:
+            log.exception("disk tier: reading an evicted continuation failed")
+            return
+        self.disk.write(image, cont.last_used)
+
+    def on_shutdown(self) -> None:
+        """Write every resident continuation to the disk tier (no forward runs any more)."""
+        if self.disk is None:
+            return
+        for c in list(self.continuations):
+            if c is not None:
+                self._spill(c)
+
+    def _restore_from_disk(self, seq: Sequence, now: float) -> None:
+        """--disk-kv-restore: a request with no resident prefix seeds it from the disk tier."""
+        if getattr(seq, "disk_checked", False):
+            return
+        seq.disk_checked = True
+        image = self.disk.lookup(seq.prompt_ids, now)
+        if image is None:
+            return
+        from ninfer_core.engine import cache_slots
+
+        idx = self._free_cell()
+        try:
+            cache_slots.install(self, idx, image, None, now)
+        except Exception as e:  # noqa: BLE001 - a restore that fails recomputes the prompt
+            log.warning("disk tier: restoring a %d-token session failed: %s", len(image.session), e)
 
     def _release_continuation(self, cont: Continuation) -> None:
         self.continuations[cont.slot] = None
@@ -547,6 +590,7 @@ class ContextCache:
         if conts:
             victim = min(conts, key=lambda c: c.last_used)
             self.counters["pressure"]["private_owner_evicted"] += 1
+            self._spill(victim)
             self._release_continuation(victim)
             return True
         shared = [e for e in self.shared if e.ckpt is not keep and host([e])]
@@ -633,6 +677,7 @@ class ContextCache:
             "selections": dict(self.counters["selections"]),
             "pressure": dict(self.counters["pressure"]),
             "transfer_bytes": dict(self.counters["transfer_bytes"]),
+            "disk": self.disk.snapshot() if self.disk is not None else None,
         }
 
     def slots_report(self, n_ctx: int, active: list[Sequence]) -> list[dict]:
@@ -668,8 +713,27 @@ def build_context_cache(runner, pages: PagePool, options, state_bytes: int, page
         log.info("context cache off: the model runner cannot capture state")
         return None
     caps = CacheCapacities.resolve(options, state_bytes)
-    return ContextCache(runner, pages, options.max_concurrency, caps, state_bytes, page_size,
-                        runner.cache_spec().kv_bytes_per_token)
+    spec = runner.cache_spec()
+    cache = ContextCache(runner, pages, options.max_concurrency, caps, state_bytes, page_size,
+                         spec.kv_bytes_per_token)
+    disk_path = getattr(options, "disk_kv_path", None)
+    if disk_path:
+        from ninfer_core.engine.cache_disk import DiskTier
+
+        info = runner.info
+        compat = {"architecture": info.architecture, "vocab": info.vocab_size, "hidden": info.hidden_size,
+                  "n_params": info.n_params, "kv_dtype": getattr(options, "kv_dtype", "bf16"),
+                  "page_size": page_size, "kv_bytes_per_token": spec.kv_bytes_per_token,
+                  "state_bytes": spec.state_bytes, "model": getattr(options, "disk_kv_model", "")}
+        cache.disk = DiskTier(disk_path, int(getattr(options, "disk_kv_gib", 64) * 2**30), compat,
+                              bool(getattr(options, "disk_kv_restore", False)))
+    return cache
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()
 
 
 def derive_hints(tokenizer, prompt: list[int]) -> CheckpointHints:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 # The explicit capacity flags --no-prefix-reuse refuses, even when zero (spec "Server options").
 CAPACITY_FLAGS = ("device_state_slots", "host_state_slots", "host_kv_mib", "host_cache_mib",
@@ -44,6 +45,11 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not keep a resumed endpoint as a long anchor")
     g.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id} save/restore/erase with files in DIR")
+    g.add_argument("--disk-kv-path", default=None, metavar="DIR",
+                   help="disk tier: evicted conversations are written to DIR")
+    g.add_argument("--disk-kv-gib", type=float, default=64, help="disk tier budget in GiB")
+    g.add_argument("--disk-kv-restore", action="store_true",
+                   help="seed a new request's matching prefix from the disk tier")
 
 
 def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
@@ -52,8 +58,14 @@ def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
         given = ["--" + f.replace("_", "-") for f in CAPACITY_FLAGS if getattr(a, f, None) is not None]
         if given:
             raise ValueError(f"--no-prefix-reuse cannot be combined with {', '.join(given)}")
-        if getattr(a, "slot_save_path", None):
-            raise ValueError("--slot-save-path needs the checkpoint catalog: it is refused with --no-prefix-reuse")
+        for flag in ("slot_save_path", "disk_kv_path"):
+            if getattr(a, flag, None):
+                raise ValueError(f"--{flag.replace('_', '-')} needs the checkpoint catalog: it is refused "
+                                 "with --no-prefix-reuse")
+    if getattr(a, "disk_kv_restore", False) and not getattr(a, "disk_kv_path", None):
+        raise ValueError("--disk-kv-restore needs --disk-kv-path")
+    if getattr(a, "disk_kv_gib", 64) <= 0:
+        raise ValueError("--disk-kv-gib must be positive")
     if getattr(a, "host_cache_mib", None) is not None and (
             getattr(a, "host_state_slots", None) is not None or getattr(a, "host_kv_mib", None) is not None):
         raise ValueError("--host-cache-mib replaces --host-state-slots and --host-kv-mib; give one or the other")
@@ -65,3 +77,8 @@ def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
     eng.branch_anchors = bool(getattr(a, "branch_anchors", False))
     eng.endpoint_anchors = not getattr(a, "no_endpoint_anchors", False)
     eng.slot_save_path = getattr(a, "slot_save_path", None)
+    eng.disk_kv_path = getattr(a, "disk_kv_path", None)
+    eng.disk_kv_gib = float(getattr(a, "disk_kv_gib", 64))
+    eng.disk_kv_restore = bool(getattr(a, "disk_kv_restore", False))
+    artifact = getattr(a, "artifact", None)
+    eng.disk_kv_model = os.path.basename(artifact) if artifact else "default"

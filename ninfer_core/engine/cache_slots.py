@@ -71,6 +71,11 @@ def collect(cache, slot: int, if_digest: str | None, compat: dict) -> SlotImage:
     if cont is None:
         raise slot_error("slot_save_failed", f"slot {slot} holds no session to save")
     _check_digest(cont, if_digest)
+    return snapshot_continuation(cache, cont, compat)
+
+
+def snapshot_continuation(cache, cont: Continuation, compat: dict) -> SlotImage:
+    """A continuation's KV pages and StateImages as Host copies (slot files, the disk tier)."""
     deepest = cont.deepest()
     if deepest.host_kv is not None:  # demoted to Host: the copy already is what a file holds
         n = pages_for(deepest.frontier, cache.page_size)

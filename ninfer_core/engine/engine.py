@@ -219,6 +219,12 @@ class Engine:
                     self._fail_everything(EngineError(500, "server_error", f"engine failure: {exc}"))
         finally:
             self._fail_all_on_shutdown()
+            if self.cache is not None:  # the disk tier keeps what is still resident
+                try:
+                    with self._cv:
+                        self.cache.on_shutdown()
+                except Exception:  # noqa: BLE001 - shutting down regardless
+                    log.exception("context cache: writing the disk tier at shutdown failed")
 
     def _has_work_locked(self) -> bool:
         return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled or self._controls)

@@ -161,7 +161,9 @@ def test_slot_persistence_disabled_is_501(live_server):
 
 @pytest.mark.parametrize("flags", [["--no-prefix-reuse", "--host-state-slots", "0"],
                                    ["--no-prefix-reuse", "--slot-save-path", "x"],
-                                   ["--host-cache-mib", "64", "--host-kv-mib", "8"]])
+                                   ["--host-cache-mib", "64", "--host-kv-mib", "8"],
+                                   ["--no-prefix-reuse", "--disk-kv-path", "x"],
+                                   ["--disk-kv-restore", "--disk-kv-gib", "1"]])
 def test_refused_cache_flag_combinations_exit_1(tiny_artifact, flags):
     proc = subprocess.run([sys.executable, "-m", "ninfer_core.cli", "serve", tiny_artifact, "--port", "0", *flags],
                           capture_output=True, text=True, timeout=120, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
