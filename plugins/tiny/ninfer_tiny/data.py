@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import zlib
 from dataclasses import dataclass, field
 
 CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima", "Oslo", "Sydney",
@@ -284,9 +285,32 @@ def _multi(r: random.Random) -> tuple[list[dict], list[dict] | None, dict]:
     return first + second, tools, {"name": name, "arguments": args}
 
 
-def make_sample(seed: int, index: int, kind: str | None = None) -> Sample:
-    """Sample `index` of the stream of `seed` (a kind drawn by WEIGHTS unless given)."""
-    r = random.Random(f"{seed}:{index}")
+HELD_OUT_BUCKETS = 16
+
+
+def held_out(messages: list[dict]) -> bool:
+    """Whether a conversation belongs to the evaluation side: its last user prompt hashes to bucket 0.
+
+    Training samples never fall in that bucket and evaluation samples always do, so no
+    evaluation prompt is ever a training prompt.
+    """
+    last = [m["content"] for m in messages if m["role"] == "user"][-1]
+    return zlib.crc32(last.encode()) % HELD_OUT_BUCKETS == 0
+
+
+def make_sample(seed: int, index: int, kind: str | None = None, evaluation: bool = False) -> Sample:
+    """Sample `index` of the stream of `seed` (a kind drawn by WEIGHTS unless given).
+
+    Draws are repeated (deterministically) until the sample is on the requested side of `held_out`.
+    """
+    for attempt in range(1000):
+        s = _draw(random.Random(f"{seed}:{index}:{attempt}" if attempt else f"{seed}:{index}"), kind)
+        if held_out(s.messages) == evaluation:
+            return s
+    raise RuntimeError("no sample on the requested side of the held-out split")
+
+
+def _draw(r: random.Random, kind: str | None) -> Sample:
     kind = kind or r.choices(KINDS, WEIGHTS)[0]
     tools = None
     if kind == "arithmetic":
@@ -330,14 +354,22 @@ def eval_prompts(seed: int, per_kind: int) -> list[Sample]:
     """Held-out evaluation samples: tool calls (no answer after), JSON, and two-number additions."""
     out = []
     for i in range(per_kind):
-        r = random.Random(f"eval-tool:{seed}:{i}")
-        msgs, tools, exp = _tool(r, answer_after=False)
-        out.append(Sample("tool", _with_system(r, msgs), tools, exp))
-        out.append(make_sample(seed, 10_000_000 + i, "json"))
-        r = random.Random(f"eval-add:{seed}:{i}")
-        a, b = r.randint(0, 99), r.randint(0, 99)
-        q = r.choice(["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}."]).format(a=a, b=b)
-        out.append(Sample("addition", [{"role": "user", "content": q},
-                                       _assistant(str(a + b), addition_thinking(a, b))], None,
-                          {"answer": a + b, "a": a, "b": b, "op": "+"}))
+        for kind in ("tool", "json", "addition"):
+            for attempt in range(1000):
+                r = random.Random(f"eval-{kind}:{seed}:{i}:{attempt}")
+                if kind == "tool":
+                    msgs, tools, exp = _tool(r, answer_after=False)
+                    s = Sample("tool", _with_system(r, msgs), tools, exp)
+                elif kind == "json":
+                    msgs, exp = _json(r)
+                    s = Sample("json", _with_system(r, msgs), None, exp)
+                else:
+                    a, b = r.randint(0, 99), r.randint(0, 99)
+                    q = r.choice(["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}."]).format(a=a, b=b)
+                    s = Sample("addition", [{"role": "user", "content": q},
+                                            _assistant(str(a + b), addition_thinking(a, b))], None,
+                               {"answer": a + b, "a": a, "b": b, "op": "+"})
+                if held_out(s.messages):
+                    out.append(s)
+                    break
     return out
