@@ -1,0 +1,144 @@
+"""A micro training run: the loss falls, the artifact is served by ninfer-qwen35 unchanged, the
+training module agrees with the plugin's runner (main and MTP), and the default-artifact hook."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_core.artifact import Artifact
+from ninfer_core.engine.model_api import SeqView
+from ninfer_core.plugins import PluginHost, PluginSelection
+
+
+def test_micro_training_decreases_the_loss_and_writes_an_artifact(micro_run):
+    hist = micro_run["history"]
+    assert hist[0]["step"] == 0 and hist[-1]["step"] == micro_run["steps"] - 1
+    assert hist[-1]["main"] < hist[0]["main"] - 0.5
+    assert hist[-1]["mtp"] < hist[0]["mtp"] - 0.5
+    assert all(h["tok_s"] > 0 for h in hist)
+    out = Path(micro_run["artifact"]).parent
+    assert (out / "checkpoint.pt").is_file() and json.loads((out / "summary.json").read_text())["steps"] == 12
+    art = Artifact.open(micro_run["artifact"])
+    assert art.architecture == "qwen3_5_text" and art.components == ["text", "mtp"]
+    cfg = art.config
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert all(art.tensor_dtype(n) == torch.bfloat16 for n in art.tensor_names())
+    assert art.chat_template and art.tokenizer_section["added_tokens"][0]["id"] == 400
+    art.close()
+
+
+def test_training_is_deterministic_given_the_seed(micro_run, tmp_path):
+    from ninfer_tiny.train import RECIPES, train
+
+    again = train(tmp_path, RECIPES["micro"], seed=0, workers=1, device="cpu", steps=3)
+    assert [h["loss"] for h in again["history"]][:1] == [micro_run["history"][0]["loss"]]
+    other = train(tmp_path / "b", RECIPES["micro"], seed=0, workers=1, device="cpu", steps=3)
+    assert Path(again["artifact"]).read_bytes() == Path(other["artifact"]).read_bytes()
+
+
+def test_the_qwen35_plugin_loads_and_generates_from_the_artifact(micro_run):
+    from ninfer_qwen35.family import Qwen35Family
+
+    from ninfer_core.tokenizer.bpe import Tokenizer
+    from ninfer_tiny.data import project_template
+
+    h = PluginHost(PluginSelection(names=["qwen35"]), builtins=[]).load()
+    art = Artifact.open(micro_run["artifact"])
+    assert h.family_for_architecture(art.architecture).name == "qwen35"
+    runner = Qwen35Family().load(art, device="cpu", dtype="float32")
+    tok = Tokenizer(art.tokenizer_section)
+    ids = project_template().render_ids(tok, [{"role": "user", "content": "What is 2 + 3?"}])
+    runner.allocate_cache(num_pages=8, num_slots=1, page_size=16)
+    seq = list(ids)
+    logits = runner.prefill(SeqView(0, list(range(8)), 0), seq)
+    for _ in range(5):
+        seq.append(int(logits.argmax(-1).reshape(-1)[0]))
+        logits = runner.decode([SeqView(0, list(range(8)), len(seq) - 1)], [seq[-1]])
+    assert all(0 <= t < art.config["vocab_size"] for t in seq[len(ids):])
+    art.close()
+
+
+def test_training_module_matches_the_plugin_runner_main_and_mtp(micro_run):
+    """The weights as trained (bf16-rounded) give the plugin's logits: names and MTP math agree."""
+    from ninfer_qwen35.family import Qwen35Family
+
+    from ninfer_tiny.model import TinyQwen
+
+    art = Artifact.open(micro_run["artifact"])
+    model = TinyQwen(art.config).eval()
+    state = {n: art.get_tensor(n).float() for n in art.tensor_names()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    runner = Qwen35Family().load(art, device="cpu", dtype="float32")
+    ids = torch.randint(0, 400, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        ref = model.lm_head(hidden)[0]
+        mtp_ref = model.lm_head(model.mtp_hidden(ids[:, 1:], hidden[:, :-1], start=1))[0]
+    runner.allocate_cache(num_pages=4, num_slots=1, page_size=16)
+    got_h = runner.forward_hidden([SeqView(0, [0, 1, 2, 3], 0)], [ids[0].tolist()])
+    got = runner.logits(got_h)
+    mtp_got, _, _ = runner.mtp_forward(ids[0, 1:].tolist(), got_h[:-1], start=1)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+    assert float((mtp_got - mtp_ref).abs().max() / mtp_ref.abs().max()) < 1e-4
+    art.close()
+
+
+def test_packaged_artifact_wins_over_the_random_default_in_either_registration_order(
+    micro_run, monkeypatch, tmp_path
+):
+    import pluggy
+    import ninfer_qwen35.plugin
+    import ninfer_tiny.plugin
+    import ninfer_tiny.train
+
+    from ninfer_core import hookspecs
+
+    shipped = tmp_path / "ninfer-tiny.ninfer"
+    shipped.write_bytes(Path(micro_run["artifact"]).read_bytes())
+    monkeypatch.setattr(ninfer_tiny.train, "package_artifact_path", lambda: shipped)
+    # pluggy calls the most recently registered implementation first unless one is tryfirst:
+    # register in both orders, so the test fails if the choice rested on load order.
+    for order in ((ninfer_tiny.plugin, ninfer_qwen35.plugin), (ninfer_qwen35.plugin, ninfer_tiny.plugin)):
+        pm = pluggy.PluginManager("ninfer")
+        pm.add_hookspecs(hookspecs)
+        for mod in order:
+            pm.register(mod)
+        assert pm.hook.ninfer_default_artifact(cache_dir=str(tmp_path / "cache")) == str(shipped)
+    h = PluginHost(PluginSelection(names=["qwen35", "tiny"]), builtins=[]).load()
+    assert h.default_artifact(str(tmp_path / "cache")) == str(shipped)
+    assert not os.path.exists(tmp_path / "cache")  # the random default was never built
+
+
+def test_without_a_packaged_artifact_the_hook_answers_none(monkeypatch, tmp_path):
+    import ninfer_tiny.train
+    from ninfer_tiny import plugin
+
+    monkeypatch.setattr(ninfer_tiny.train, "package_artifact_path", lambda: tmp_path / "absent.ninfer")
+    assert plugin.ninfer_default_artifact(str(tmp_path)) is None
+    h = PluginHost(PluginSelection(names=["tiny"]), builtins=[]).load()
+    assert h.default_artifact(str(tmp_path)) is None
+
+
+def test_the_evaluation_runs_end_to_end_against_a_live_server(micro_run):
+    from ninfer_tiny.evaluate import TARGETS, evaluate, format_table
+
+    scores = evaluate(micro_run["artifact"], per_kind=2, prose_docs=2, max_tokens=12)
+    assert set(scores) == {"tool", "json", "addition", "mtp", "ppl"}
+    assert all(0.0 <= scores[k] <= 1.0 for k in TARGETS)
+    assert 1.0 < scores["ppl"] < 10 * 512  # a barely trained model: above 1, below many times uniform
+    table = format_table(scores, 2)
+    assert "held-out prose perplexity" in table and table.count("\n") == 6
+
+
+@pytest.mark.parametrize("bad", [["--recipe", "nope", "--out", "x"], []])
+def test_train_cli_refuses_bad_arguments(bad, capsys):
+    from ninfer_tiny.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(bad)
+    assert exc.value.code == 2
