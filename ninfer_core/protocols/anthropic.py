@@ -247,14 +247,7 @@ class AnthropicMessages:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
         request_id = request.scope.get("state", {}).get("request_id", "")
         plan = await self._plan(request, ctx, count_only=False)
-        ctx.ingress.acquire()
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                ctx.ingress.release()
+        release = ctx.ingress.acquire()
 
         try:
             prompt = await anyio.to_thread.run_sync(prepare_prompt, ctx, plan)

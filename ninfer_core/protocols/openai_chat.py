@@ -93,14 +93,7 @@ class ChatCompletions:
         log.debug("chat request: reasoning_effort asked %s, tools %d, forced %s, logprobs %s, thinking_budget %s",
                   plan.effort_requested, len(plan.tools or ()), plan.forced_tool is not None, plan.logprobs,
                   plan.thinking_budget)
-        ctx.ingress.acquire()
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                ctx.ingress.release()
+        release = ctx.ingress.acquire()
 
         try:
             prompt: PreparedPrompt = await anyio.to_thread.run_sync(

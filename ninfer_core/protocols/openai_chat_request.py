@@ -82,7 +82,7 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
             raise bad_request("unsupported_parameter", f"'{name}' (a vLLM/llama.cpp constrained-decoding "
                               "extension) is not supported; request structured JSON through "
                               "response_format.", name)
-    _check_response_format(req.response_format)
+    check_response_format(req.response_format)
     if req.functions:
         raise bad_request("functions_not_supported", "Legacy 'functions' are not supported; send 'tools'.",
                           "functions")
@@ -136,7 +136,7 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
     )
 
 
-def _check_response_format(rf: Any) -> None:
+def check_response_format(rf: Any) -> None:
     if rf is None:
         return
     if not isinstance(rf, dict):

@@ -19,6 +19,7 @@ from ninfer_core.engine.sampler import random_seed
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
+from ninfer_core.protocols.openai_chat_request import check_response_format
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 32
@@ -163,22 +164,6 @@ def check_logit_bias(bias: Any) -> None:
         if value != 0:
             raise bad_request("logit_bias_not_supported", "A nonzero logit_bias is not supported: the "
                               "sampler cannot apply per-token biases.", "logit_bias")
-
-
-def check_response_format(rf: Any) -> None:
-    if rf is None:
-        return
-    if not isinstance(rf, dict):
-        raise bad_request("invalid_type", "response_format must be an object.", "response_format")
-    kind = rf.get("type")
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise bad_request("response_format_not_supported", f"response_format '{kind}' needs a server "
-                          "started with --structured-output, which this build does not offer yet.",
-                          "response_format")
-    raise bad_request("invalid_value", "response_format.type must be text, json_object or json_schema.",
-                      "response_format.type")
 
 
 def stop_list(stop: Any) -> list[str]:

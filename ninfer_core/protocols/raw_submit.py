@@ -40,14 +40,7 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: 
 
     `logprobs` (k) asks the engine for each generated token's log probability and k alternatives."""
     deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
-    ctx.ingress.acquire()
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            ctx.ingress.release()
+    release = ctx.ingress.acquire()
 
     try:
         ids = await anyio.to_thread.run_sync(tokenize_prompt, ctx, plan.prompt)

@@ -251,14 +251,7 @@ class Responses:
         if plan.store:
             store.check_fits(record_size({}, staged[0].new_items))
 
-        ctx.ingress.acquire()
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                ctx.ingress.release()
+        release = ctx.ingress.acquire()
 
         rid = "resp_" + secrets.token_hex(16)
         try:

@@ -46,7 +46,8 @@ class Ingress:
         self.admitted = 0
         self.peak = 0
 
-    def acquire(self) -> None:
+    def acquire(self):
+        """Take one unit; returns an idempotent callable that gives it back."""
         if self.admitted >= self.capacity:
             raise EngineError(
                 429, "server_overloaded",
@@ -54,6 +55,15 @@ class Ingress:
             )
         self.admitted += 1
         self.peak = max(self.peak, self.admitted)
+        done = False
+
+        def release_once() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.release()
+
+        return release_once
 
     def release(self) -> None:
         self.admitted = max(0, self.admitted - 1)
