@@ -99,14 +99,15 @@ def _with_system(r: random.Random, messages: list[dict]) -> list[dict]:
 
 def addition_thinking(a: int, b: int) -> str:
     """Column addition, ones then tens, as the model is taught to think."""
-    steps, carry, place, digits = [], 0, 0, []
+    steps, carry = [], 0
     x, y = a, b
-    while x or y or carry:
+    while True:  # at least one column, so 0 + 0 has a step too
         dx, dy = x % 10, y % 10
         s = dx + dy + carry
         steps.append(f"{dx} + {dy}" + (f" + {carry}" if carry else "") + f" = {s}")
-        digits.append(s % 10)
-        carry, x, y, place = s // 10, x // 10, y // 10, place + 1
+        carry, x, y = s // 10, x // 10, y // 10
+        if not (x or y or carry):
+            break
     return "; ".join(steps) + f". So {a} + {b} = {a + b}."
 
 

@@ -78,7 +78,6 @@ class TinyQwen(nn.Module):
 
     def forward(self, ids: torch.Tensor, mtp_weight: float = 0.3):
         """ids [B, T]. Returns (total loss, main next-token loss, MTP next-next-token loss)."""
-        b, t = ids.shape
         hidden = self.model(input_ids=ids, use_cache=False).last_hidden_state  # [B, T, H], final-normed
         logits = self.lm_head(hidden[:, :-1]).float()
         main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))

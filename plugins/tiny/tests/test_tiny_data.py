@@ -10,7 +10,7 @@ from ninfer_tiny.evaluate import matches_schema, score_answer
 from ninfer_core.tokenizer.bpe import Tokenizer
 from ninfer_core.tokenizer.toolcalls import parse_tool_calls, schema_map
 
-_LAST_ANSWER = re.compile(r"<think>\n(.*?)\n</think>\n\n(.*?)<\|im_end\|>\n\Z", re.S)
+_LAST_ANSWER = re.compile(r"<think>\n(.*?)\n</think>\n\n(.*?)<\|im_end\|>\n\Z", re.DOTALL)
 
 
 def test_samples_are_deterministic_and_cover_every_kind():

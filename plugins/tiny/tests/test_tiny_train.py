@@ -42,9 +42,9 @@ def test_training_is_deterministic_given_the_seed(micro_run, tmp_path):
 
 def test_the_qwen35_plugin_loads_and_generates_from_the_artifact(micro_run):
     from ninfer_qwen35.family import Qwen35Family
+    from ninfer_tiny.data import project_template
 
     from ninfer_core.tokenizer.bpe import Tokenizer
-    from ninfer_tiny.data import project_template
 
     h = PluginHost(PluginSelection(names=["qwen35"]), builtins=[]).load()
     art = Artifact.open(micro_run["artifact"])
@@ -65,7 +65,6 @@ def test_the_qwen35_plugin_loads_and_generates_from_the_artifact(micro_run):
 def test_training_module_matches_the_plugin_runner_main_and_mtp(micro_run):
     """The weights as trained (bf16-rounded) give the plugin's logits: names and MTP math agree."""
     from ninfer_qwen35.family import Qwen35Family
-
     from ninfer_tiny.model import TinyQwen
 
     art = Artifact.open(micro_run["artifact"])
@@ -91,10 +90,10 @@ def test_training_module_matches_the_plugin_runner_main_and_mtp(micro_run):
 def test_packaged_artifact_wins_over_the_random_default_in_either_registration_order(
     micro_run, monkeypatch, tmp_path
 ):
-    import pluggy
     import ninfer_qwen35.plugin
     import ninfer_tiny.plugin
     import ninfer_tiny.train
+    import pluggy
 
     from ninfer_core import hookspecs
 
