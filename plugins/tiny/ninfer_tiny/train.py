@@ -134,7 +134,7 @@ def build_tokens(recipe: Recipe, section: dict, seed: int, workers: int):
     return torch.cat([torch.tensor(p, dtype=torch.int32) for p in parts if p])
 
 
-def batches(tokens, recipe: Recipe, seed: int, device):
+def batches(tokens, recipe: Recipe, seed: int):
     """Rows of seq_len + 1 tokens cut from the stream, in a seeded permutation, epoch after epoch."""
     import torch
 
@@ -147,7 +147,7 @@ def batches(tokens, recipe: Recipe, seed: int, device):
         for i in range(0, n_rows - recipe.batch + 1, recipe.batch):
             starts = perm[i : i + recipe.batch] * recipe.seq_len
             idx = starts[:, None] + torch.arange(recipe.seq_len + 1)[None, :]
-            yield tokens[idx].long().to(device, non_blocking=True)
+            yield tokens[idx].long()
 
 
 # artifact ----------------------------------------------------------------------------------------
@@ -192,8 +192,12 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: str | None = None,
-          max_minutes: float | None = None, steps: int | None = None) -> dict:
-    """Run the whole recipe into `out`; returns the summary (also written to out/summary.json)."""
+          max_minutes: float | None = None, steps: int | None = None, resume: bool = False) -> dict:
+    """Run the whole recipe into `out`; returns the summary (also written to out/summary.json).
+
+    resume: continue from out/checkpoint.pt (model, optimizer, step; the batch stream is replayed
+    to the same point, so a resumed run ends with the same weights as an uninterrupted one).
+    """
     import torch
 
     from ninfer_tiny.model import TinyQwen, count_parameters, text_config
@@ -231,18 +235,28 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    data = batches(tokens, recipe, seed, dev)
+    data = batches(tokens, recipe, seed)
+    start = 0
+    if resume and (out / "checkpoint.pt").is_file():
+        ckpt = torch.load(out / "checkpoint.pt", map_location=dev, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        if "opt" in ckpt:
+            opt.load_state_dict(ckpt["opt"])
+        start = ckpt["step"]
+        for _ in range(start):
+            next(data)
+        log(f"[tiny] resumed at step {start}")
     history: list[dict] = []
-    t_train, seen, step = time.monotonic(), 0, 0
+    t_train, seen, step = time.monotonic(), 0, start
     stopped_early = False
-    for step in range(steps):
+    for step in range(start, steps):
         if max_minutes is not None and time.monotonic() - t0 > max_minutes * 60:
             stopped_early = True
             log(f"[tiny] time budget of {max_minutes} min reached at step {step}: stopping")
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, recipe)
-        ids = next(data)
+        ids = next(data).to(dev, non_blocking=True)
         with amp:
             loss, main, mtp = model(ids)
         opt.zero_grad(set_to_none=True)
@@ -250,7 +264,7 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         seen += ids.numel()
-        if step % recipe.log_every == 0 or step == steps - 1:
+        if step % recipe.log_every == 0 or step in (start, steps - 1):
             rate = seen / max(time.monotonic() - t_train, 1e-9)
             rec = {"step": step, "loss": loss.item(), "main": main.item(), "mtp": mtp.item(), "tok_s": rate}
             history.append(rec)
@@ -259,8 +273,9 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
         if (step + 1) % recipe.ckpt_every == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "cfg": cfg},
                        out / "checkpoint.pt")
-    final_step = step + (0 if stopped_early else 1)
-    torch.save({"model": model.state_dict(), "step": final_step, "cfg": cfg}, out / "checkpoint.pt")
+    final_step = step + (0 if stopped_early or start >= steps else 1)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": final_step, "cfg": cfg},
+               out / "checkpoint.pt")
     artifact = write_tiny_artifact(out / f"{NAME}.ninfer", model, section)
     summary = {
         "recipe": asdict(recipe), "seed": seed, "device": str(dev), "params": n_params, "vocab": vocab,
@@ -281,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="data rendering processes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop early past this wall time")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--install", action="store_true", help="copy the artifact into the ninfer_tiny package")
     a = p.parse_args(argv)
-    summary = train(a.out, RECIPES[a.recipe], a.seed, a.workers, a.device, a.max_minutes, a.steps)
+    summary = train(a.out, RECIPES[a.recipe], a.seed, a.workers, a.device, a.max_minutes, a.steps, a.resume)
     if a.install:
         dest = package_artifact_path()
         shutil.copyfile(summary["artifact"], dest)

@@ -40,6 +40,16 @@ def test_training_is_deterministic_given_the_seed(micro_run, tmp_path):
     assert Path(again["artifact"]).read_bytes() == Path(other["artifact"]).read_bytes()
 
 
+def test_a_resumed_run_ends_with_the_same_weights(tmp_path):
+    from ninfer_tiny.train import RECIPES, train
+
+    whole = train(tmp_path / "whole", RECIPES["micro"], seed=1, workers=1, device="cpu", steps=6)
+    train(tmp_path / "parts", RECIPES["micro"], seed=1, workers=1, device="cpu", steps=3)
+    resumed = train(tmp_path / "parts", RECIPES["micro"], seed=1, workers=1, device="cpu", steps=6, resume=True)
+    assert resumed["history"][0]["step"] == 3 and resumed["steps"] == 6
+    assert Path(whole["artifact"]).read_bytes() == Path(resumed["artifact"]).read_bytes()
+
+
 def test_the_qwen35_plugin_loads_and_generates_from_the_artifact(micro_run):
     from ninfer_qwen35.family import Qwen35Family
     from ninfer_tiny.data import project_template
@@ -141,3 +151,11 @@ def test_train_cli_refuses_bad_arguments(bad, capsys):
     with pytest.raises(SystemExit) as exc:
         main(bad)
     assert exc.value.code == 2
+
+
+def test_importing_the_plugin_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, ninfer_tiny.plugin as p; p.packaged_artifact(); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
