@@ -14,7 +14,7 @@ import pytest
 from ninfer_core.config import EngineOptions, ServeOptions, ThinkingOptions
 from ninfer_core.engine.engine import Engine
 from ninfer_core.testing import ToyRunner
-from tests.test_server_chat import sse_events
+from test_server_chat import sse_events
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
