@@ -312,3 +312,17 @@ async def collect(handle, on_event: Callable[[EngineEvent], None] | None = None)
         if on_event is not None:
             on_event(event)
     return out
+
+
+def byte_tokenizer_section() -> dict:
+    """A real byte-level BPE section (256 byte tokens) with the Qwen control tokens after them."""
+    import base64
+
+    added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+             "</tool_call>", "<tool_response>", "</tool_response>"]
+    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    return {"type": "bpe", "ranks": ranks,
+            "pattern": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+            "added_tokens": [{"id": 256 + i, "content": c, "special": c.startswith("<|")}
+                             for i, c in enumerate(added)],
+            "eos_tokens": ["<|im_end|>"], "pad_token": "<|endoftext|>", "bos_token": None}

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ninfer_core.testing import byte_tokenizer_section  # noqa: F401 - used by fixtures below
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,20 +129,6 @@ def start_server(tiny_artifact, tmp_path):
 
 
 # -- unit-test doubles for the HTTP layer (never used by tests/e2e) ---------------------------------
-
-def byte_tokenizer_section() -> dict:
-    """A real byte-level BPE section (256 byte tokens) with the Qwen control tokens after them."""
-    import base64
-
-    added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-             "</tool_call>", "<tool_response>", "</tool_response>"]
-    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
-    return {"type": "bpe", "ranks": ranks,
-            "pattern": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            "added_tokens": [{"id": 256 + i, "content": c, "special": c.startswith("<|")}
-                             for i, c in enumerate(added)],
-            "eos_tokens": ["<|im_end|>"], "pad_token": "<|endoftext|>", "bos_token": None}
-
 
 class FakeHandle:
     """Replays scripted EngineEvents; cancel() ends the stream with finish_reason "cancelled"."""

@@ -70,7 +70,7 @@ def toy_app():
     from ninfer_core.server.prepare import default_sampling_presets
     from ninfer_core.tokenizer import Tokenizer
     from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
-    from tests.conftest import byte_tokenizer_section
+    from ninfer_core.testing import byte_tokenizer_section
 
     made = []
 
