@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoint, artifact, summary)")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="full")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (the learning-rate schedule stays the recipe's)")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="data rendering processes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop early past this wall time")
