@@ -6,7 +6,7 @@
 set -euo pipefail
 RUN="${1:-runs/tiny}"
 mkdir -p "$RUN"
-python -m ninfer_tiny.train --recipe full --seed 0 --out "$RUN" --max-minutes 14 --install 2>&1 | tee "$RUN/train.log"
+python -m ninfer_tiny.train --recipe full --seed 0 --out "$RUN" --fit-minutes 13 --max-minutes 14.5 --install 2>&1 | tee "$RUN/train.log"
 python -m ninfer_tiny.evaluate --artifact "$RUN/ninfer-tiny.ninfer" --per-kind 50 \
     --json "$RUN/eval.json" 2>&1 | tee "$RUN/eval.log"
 ls -l plugins/tiny/ninfer_tiny/data/ninfer-tiny.ninfer

@@ -15,8 +15,9 @@ the ~80 M-token corpus (300k conversations at ~262 tokens each, plus 8 copies of
 tokens of prose). Training FLOPs ~ 6 N D = 6 x 10.0e6 x
 1.97e8 = 1.2e16 (+ ~10% attention and MTP): 1.3e16 FLOPs, i.e. ~130 s at 100 TFLOP/s and ~430 s
 at 30 TFLOP/s (the torch GDN path of transformers is launch-bound at this width, so we plan for
-the low end). `--max-minutes 13` stops early, with a final checkpoint and artifact, if the
-machine is slower than planned; that is the only way the run is not bit-deterministic.
+the low end). `--fit-minutes 13` times the first steps and shortens the schedule to fit if the
+machine is slower than planned (the chosen length is printed; `--schedule-steps N` reproduces it);
+`--max-minutes` is a hard stop with a final checkpoint and artifact.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from multiprocessing import Pool
 from pathlib import Path
 
 NAME = "ninfer-tiny"
+FIT_PROBE = 20  # steps timed by --fit-minutes (inside every recipe's warm-up)
+FIT_RESERVE_S = 60  # what --fit-minutes keeps for the artifact, checkpoints and slack
 
 
 @dataclass(frozen=True)
@@ -184,16 +187,25 @@ def package_artifact_path() -> Path:
 # training ----------------------------------------------------------------------------------------
 
 
-def lr_at(step: int, recipe: Recipe) -> float:
+def lr_at(step: int, recipe: Recipe, total: int | None = None) -> float:
+    """Linear warm-up, then cosine to 10% at `total` steps (the recipe's by default)."""
+    total = total or recipe.steps
     if step < recipe.warmup:
         return recipe.lr * (step + 1) / recipe.warmup
-    frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    frac = (step - recipe.warmup) / max(1, total - recipe.warmup)
     return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: str | None = None,
-          max_minutes: float | None = None, steps: int | None = None, resume: bool = False) -> dict:
+          max_minutes: float | None = None, steps: int | None = None, resume: bool = False,
+          schedule_steps: int | None = None, fit_minutes: float | None = None) -> dict:
     """Run the whole recipe into `out`; returns the summary (also written to out/summary.json).
+
+    steps: stop after this many (default: the schedule's length). schedule_steps: the learning-rate
+    schedule's length (default: the recipe's). fit_minutes: after FIT_PROBE steps (still in
+    warm-up, so identical whatever the schedule), measure the step time and shorten the schedule
+    and the run so the whole command ends within that many minutes; the summary records the
+    chosen count, and `--schedule-steps N` reproduces the same weights without the probe.
 
     resume: continue from out/checkpoint.pt (model, optimizer, step; the batch stream is replayed
     to the same point, so a resumed run ends with the same weights as an uninterrupted one).
@@ -209,7 +221,8 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = True
-    steps = steps or recipe.steps
+    schedule = schedule_steps or recipe.steps
+    steps = steps or schedule
 
     log(f"[tiny] tokenizer: training a {recipe.bpe_vocab}-id byte-level BPE")
     section = train_tokenizer(recipe, seed)
@@ -247,15 +260,17 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
             next(data)
         log(f"[tiny] resumed at step {start}")
     history: list[dict] = []
-    t_train, seen, step = time.monotonic(), 0, start
+    t_train, seen, done = time.monotonic(), 0, start
     stopped_early = False
     for step in range(start, steps):
+        if step >= steps:  # --fit-minutes shortened the run
+            break
         if max_minutes is not None and time.monotonic() - t0 > max_minutes * 60:
             stopped_early = True
             log(f"[tiny] time budget of {max_minutes} min reached at step {step}: stopping")
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, recipe)
+            group["lr"] = lr_at(step, recipe, schedule)
         ids = next(data).to(dev, non_blocking=True)
         with amp:
             loss, main, mtp = model(ids)
@@ -264,22 +279,34 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         seen += ids.numel()
+        done = step + 1
+        if fit_minutes is not None and step + 1 - start == FIT_PROBE:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.monotonic() - t_train) / FIT_PROBE
+            left = fit_minutes * 60 - (time.monotonic() - t0) - FIT_RESERVE_S
+            fitted = max(step + 1, min(schedule, step + 1 + int(left / per_step)))
+            if fitted < schedule:
+                schedule = steps = fitted
+            log(f"[tiny] {per_step:.3f} s/step: running {steps} steps (schedule {schedule}); "
+                f"--schedule-steps {schedule} reproduces this run")
         if step % recipe.log_every == 0 or step in (start, steps - 1):
             rate = seen / max(time.monotonic() - t_train, 1e-9)
             rec = {"step": step, "loss": loss.item(), "main": main.item(), "mtp": mtp.item(), "tok_s": rate}
             history.append(rec)
             log(f"[tiny] step {step:5d}/{steps}  loss {rec['loss']:.4f}  main {rec['main']:.4f}  "
-                f"mtp {rec['mtp']:.4f}  lr {lr_at(step, recipe):.2e}  {rate:,.0f} tok/s")
+                f"mtp {rec['mtp']:.4f}  lr {lr_at(step, recipe, schedule):.2e}  {rate:,.0f} tok/s")
         if (step + 1) % recipe.ckpt_every == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "cfg": cfg},
                        out / "checkpoint.pt")
-    final_step = step + (0 if stopped_early or start >= steps else 1)
+    final_step = done
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": final_step, "cfg": cfg},
                out / "checkpoint.pt")
     artifact = write_tiny_artifact(out / f"{NAME}.ninfer", model, section)
     summary = {
         "recipe": asdict(recipe), "seed": seed, "device": str(dev), "params": n_params, "vocab": vocab,
-        "tokens": len(tokens), "steps": final_step, "stopped_early": stopped_early, "history": history,
+        "tokens": len(tokens), "steps": final_step, "schedule_steps": schedule, "stopped_early": stopped_early,
+        "history": history,
         "artifact": artifact, "artifact_bytes": os.path.getsize(artifact), "seconds": time.monotonic() - t0,
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
@@ -296,10 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="data rendering processes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop early past this wall time")
+    p.add_argument("--schedule-steps", type=int, default=None, help="learning-rate schedule length")
+    p.add_argument("--fit-minutes", type=float, default=None,
+                   help="shorten the schedule, after timing the first steps, to end within this time")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--install", action="store_true", help="copy the artifact into the ninfer_tiny package")
     a = p.parse_args(argv)
-    summary = train(a.out, RECIPES[a.recipe], a.seed, a.workers, a.device, a.max_minutes, a.steps, a.resume)
+    summary = train(a.out, RECIPES[a.recipe], a.seed, a.workers, a.device, a.max_minutes, a.steps, a.resume,
+                    a.schedule_steps, a.fit_minutes)
     if a.install:
         dest = package_artifact_path()
         shutil.copyfile(summary["artifact"], dest)

@@ -50,6 +50,19 @@ def test_a_resumed_run_ends_with_the_same_weights(tmp_path):
     assert Path(whole["artifact"]).read_bytes() == Path(resumed["artifact"]).read_bytes()
 
 
+def test_fit_minutes_shortens_the_schedule_and_the_printed_count_reproduces_it(tmp_path):
+    import dataclasses
+
+    from ninfer_tiny.train import FIT_PROBE, RECIPES, train
+
+    recipe = dataclasses.replace(RECIPES["micro"], steps=FIT_PROBE + 20, warmup=FIT_PROBE + 5, log_every=50)
+    fitted = train(tmp_path / "fit", recipe, seed=2, workers=1, device="cpu", fit_minutes=0.001)
+    assert fitted["steps"] == fitted["schedule_steps"] == FIT_PROBE  # no time left after the probe
+    again = train(tmp_path / "again", recipe, seed=2, workers=1, device="cpu", schedule_steps=FIT_PROBE)
+    assert again["steps"] == FIT_PROBE
+    assert Path(fitted["artifact"]).read_bytes() == Path(again["artifact"]).read_bytes()
+
+
 def test_the_qwen35_plugin_loads_and_generates_from_the_artifact(micro_run):
     from ninfer_qwen35.family import Qwen35Family
     from ninfer_tiny.data import project_template
