@@ -34,7 +34,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 NAME = "ninfer-tiny"
-FIT_PROBE = 20  # steps timed by --fit-minutes (inside every recipe's warm-up)
+FIT_PROBE = 20  # steps timed by --fit-minutes (inside the full recipe's 150-step warm-up)
 FIT_RESERVE_S = 60  # what --fit-minutes keeps for the artifact, checkpoints and slack
 
 
