@@ -398,7 +398,7 @@ def test_tool_results_must_match_the_reconstructed_calls(app):
     r = post(client, previous_response_id=first["id"], tools=[FN],
              input=[{"type": "function_call_output", "call_id": "call_unknown", "output": "x"}])
     assert r.status_code == 400
-    assert r.json()["error"]["code"] == "invalid_tool_history" and r.json()["error"]["param"] == "input.0.call_id"
+    assert r.json()["error"]["code"] == "invalid_tool_history" and r.json()["error"]["param"] == "input[0].call_id"
 
 
 def test_item_ids_preserved_generated_and_unique_across_the_chain(app):
@@ -410,7 +410,7 @@ def test_item_ids_preserved_generated_and_unique_across_the_chain(app):
     r = post(client, previous_response_id=first["id"], input=[{"role": "user", "content": "b", "id": out_id}])
     assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_item_id"
     r = post(client, previous_response_id=first["id"], input=[{"role": "user", "content": "b", "id": "msg_mine"}])
-    assert r.json()["error"]["param"] == "input.0.id"
+    assert r.json()["error"]["param"] == "input[0].id"
 
 
 def test_preserve_thinking_is_inherited(app):
@@ -503,8 +503,8 @@ def test_input_tokens_matches_create(app):
     ({"input": "x", "model": "other"}, "model_not_found", "model"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_not_found", "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "vision_disabled",
-     "input.0.content.0.type"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tool_type_not_supported", "tools.0.type"),
+     "input[0].content[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tool_type_not_supported", "tools[0].type"),
     ({"input": "x", "truncation": "auto"}, "truncation_not_supported", "truncation"),
 ])
 def test_input_tokens_errors(app, body, code, param):

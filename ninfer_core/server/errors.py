@@ -2,7 +2,7 @@
 
 {"error": {"message", "type", "param", "code"}}. EngineError carries its own status/code/param;
 pydantic validation errors become 400 invalid_request_error with `param` the field path
-("messages.0.role") and `code` invalid_type / invalid_value / missing_required_parameter (or the
+(`messages[0].role`, OpenAI's notation; code builds paths with dots and `wire_param` converts them) and `code` invalid_type / invalid_value / missing_required_parameter (or the
 code a validator raised through `request_error`); malformed JSON is 400 invalid_json.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Iterable
 
 from fastapi import FastAPI, Request
@@ -33,9 +34,25 @@ _TYPE_ERRORS = {
 }
 
 
+_INDEX = re.compile(r"\.(\d+)(?=\.|\[|$)")
+
+
+_QUOTED_PATH = re.compile(r"'([A-Za-z_]\w*(?:\.\w+)+)'")
+
+
+def wire_param(param: str | None) -> str | None:
+    """A field path as clients see it: `messages.2.tool_calls.0` -> `messages[2].tool_calls[0]`."""
+    return _INDEX.sub(r"[\1]", param) if param else param
+
+
+def wire_message(message: str) -> str:
+    """The same notation for the field paths a message quotes ('tools.0.name')."""
+    return _QUOTED_PATH.sub(lambda m: f"'{wire_param(m.group(1))}'", message)
+
+
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": wire_message(message), "type": type_, "param": wire_param(param), "code": code}}
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
@@ -74,11 +91,11 @@ def anthropic_error_body(status: int, message: str, request_id: str, code: str |
                          param: str | None = None) -> dict:
     """The Anthropic error object for an already-mapped `status` (see anthropic_status)."""
     type_ = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    err: dict[str, Any] = {"type": type_, "message": message}
+    err: dict[str, Any] = {"type": type_, "message": wire_message(message)}
     if code:
         err["code"] = code
     if param:
-        err["param"] = param
+        err["param"] = wire_param(param)
     return {"type": "error", "error": err, "request_id": request_id}
 
 
@@ -135,7 +152,7 @@ def too_large_response(limit_bytes: int) -> JSONResponse:
 
 def _param(loc: Iterable[Any]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body",)]
-    return ".".join(parts) or None
+    return wire_param(".".join(parts)) or None
 
 
 def _code(err_type: str) -> str:

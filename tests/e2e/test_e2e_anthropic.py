@@ -204,13 +204,13 @@ def test_errors_use_the_anthropic_envelope(client, live_server):
          "thinking.budget_tokens"),
         (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]),
-         anthropic.BadRequestError, "vision_disabled", "messages.0.content.0.type"),
+         anthropic.BadRequestError, "vision_disabled", "messages[0].content[0].type"),
         (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), anthropic.BadRequestError,
-         "tool_type_not_supported", "tools.0.type"),
+         "tool_type_not_supported", "tools[0].type"),
         (dict(messages=[*HI, {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "", "signature": "ninfer-reasoning.v1:%%%"},
             {"type": "text", "text": "x"}]}, {"role": "user", "content": "y"}]),
-         anthropic.BadRequestError, "invalid_thinking_signature", "messages.1.content.0.signature"),
+         anthropic.BadRequestError, "invalid_thinking_signature", "messages[1].content[0].signature"),
     ]
     for fields, exc, code, param in cases:
         kwargs = {"model": "m", "max_tokens": 4, "messages": HI, **fields}

@@ -107,7 +107,7 @@ def test_completion_stop_word(http):
     ({"prompt": "x", "repeat_penalty": 1.3}, "repeat_penalty_not_supported", "repeat_penalty"),
     ({"prompt": "x", "mirostat": 2}, "mirostat_not_supported", "mirostat"),
     ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar_not_supported", "grammar"),
-    ({"prompt": [1, 10**9]}, "invalid_value", "prompt.1"),
+    ({"prompt": [1, 10**9]}, "invalid_value", "prompt[1]"),
 ])
 def test_completion_refusals(http, body, code, param):
     r = http.post("/completion", json=body)
@@ -194,7 +194,7 @@ def test_tokenizer_routes(http, tokenizer):
                                                  "enable_thinking": False}).json()["prompt"]
     assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     r = http.post("/detokenize", json={"tokens": [10**9]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens.0"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
 
 
 def test_rerank(http):

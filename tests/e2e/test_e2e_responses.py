@@ -163,7 +163,7 @@ def test_multi_turn_tool_loop_through_previous_response_id(client, live_server, 
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model_id, previous_response_id=second.id, tools=tools, max_output_tokens=2,
                                 input=[{"type": "function_call_output", "call_id": "call_unknown", "output": "x"}])
-    assert e.value.body["code"] == "invalid_tool_history" and e.value.body["param"] == "input.0.call_id"
+    assert e.value.body["code"] == "invalid_tool_history" and e.value.body["param"] == "input[0].call_id"
     third = client.responses.create(model=model_id, previous_response_id=second.id, input="Thanks!",
                                     tools=tools, max_output_tokens=2)
     # the reconstruction equals sending the whole chain explicitly (first instructions excluded)
@@ -222,10 +222,10 @@ def test_forced_function_call(client, model_id):
 
 @pytest.mark.parametrize("kwargs,status,code,param", [
     ({"input": "x", "extra_body": {"bogus": 1}}, 400, "unknown_parameter", "bogus"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tool_type_not_supported", "tools.0.type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tool_type_not_supported", "tools[0].type"),
     ({"input": "x", "background": True}, 400, "background_not_supported", "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
-     400, "vision_disabled", "input.0.content.0.type"),
+     400, "vision_disabled", "input[0].content[0].type"),
     ({"input": "x", "truncation": "auto"}, 400, "truncation_not_supported", "truncation"),
     ({"input": "x", "model": "other-model"}, 404, "model_not_found", "model"),
 ])
