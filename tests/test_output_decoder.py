@@ -211,3 +211,23 @@ def test_logprob_json_shape():
     assert logprob_json(tok, rec) == {"token": "\ufffd", "logprob": -1.25, "bytes": [0xE2, 0x82], "top_logprobs": [
         {"token": "\ufffd", "logprob": -1.25, "bytes": [0xE2, 0x82]}, {"token": "a", "logprob": -2.0, "bytes": [97]}]}
     assert logprob_json(tok, rec, with_bytes=False)["top_logprobs"][1] == {"token": "a", "logprob": -2.0}
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_undeclared_function_is_text_when_asked(as_text):
+    # Responses: only the effective tool set becomes structured calls; Chat recovers the call.
+    undeclared = "Let me try.\n" + CALL.replace("function=run", "function=delete_everything")
+    for chunks in ([undeclared], list(undeclared)):
+        dec = OutputDecoder(in_reasoning=False, tools=TOOLS, undeclared_as_text=as_text)
+        events = [e for c in chunks for e in dec.feed(c)] + dec.finish()
+        calls = [e.tool_call for e in events if e.kind == "tool_call"]
+        if as_text:
+            assert calls == [] and dec.content == undeclared
+            assert "".join(e.text for e in events if e.kind == "content") == undeclared
+        else:
+            assert [c.name for c in calls] == [MALFORMED_TOOL] and dec.content == "Let me try."
+    # a declared call still parses with the flag on
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, undeclared_as_text=True)
+    dec.feed(CALL)
+    dec.finish()
+    assert [c.name for c in dec.tool_calls] == ["run"]

@@ -292,7 +292,7 @@ class Responses:
         channel = LogprobChannel(ctx.tokenizer, prep.opens_reasoning) if plan.logprobs else None
         decoder = OutputDecoder(in_reasoning=prep.opens_reasoning, tools=ts.template_tools or None,
                                 parallel_tool_calls=ts.parallel_tool_calls, id_prefix="call_",
-                                forced_call=prep.forced_opener)
+                                forced_call=prep.forced_opener, undeclared_as_text=True)
         counter = ReasoningTokenCounter(ctx.tokenizer, prep.opens_reasoning)
         run = _Run(ctx, store, plan, prep, builder, decoder, counter, handle, channel)
         if plan.stream:

@@ -78,10 +78,11 @@ class OutputDecoder:
 
     def __init__(self, *, in_reasoning: bool, tools: list[dict] | None = None,
                  parallel_tool_calls: bool = True, id_prefix: str = "call_",
-                 forced_call: str | None = None):
+                 forced_call: str | None = None, undeclared_as_text: bool = False):
         self._splitter = ReasoningSplitter(in_reasoning)
         self._schemas = schema_map(tools) if tools else None
         self._parallel = parallel_tool_calls
+        self._undeclared_as_text = undeclared_as_text
         self._id_prefix = id_prefix
         self._forced = forced_call if (forced_call and self._schemas is not None) else None
         self._text = self._forced or ""  # the content channel as generated (forced opener first)
@@ -137,14 +138,15 @@ class OutputDecoder:
     def _final_parse(self) -> ParseResult:
         text = self._text
         if self._forced is None:
-            return parse_tool_calls(text, self._schemas)
+            return parse_tool_calls(text, self._schemas, undeclared_as_text=self._undeclared_as_text)
         stripped = text.rstrip(_WS)
         for closers in _FORCED_CLOSERS:
-            res = parse_tool_calls(stripped + closers, self._schemas, max_markers=1)
+            res = parse_tool_calls(stripped + closers, self._schemas, max_markers=1,
+                                   undeclared_as_text=self._undeclared_as_text)
             if res.calls and not res.recovered:
                 self.forced_call_closed = bool(closers)
                 return res
-        return parse_tool_calls(text, self._schemas, max_markers=1)
+        return parse_tool_calls(text, self._schemas, max_markers=1, undeclared_as_text=self._undeclared_as_text)
 
     def _emit(self, out: list[OutputEvent], kind: str, text: str) -> None:
         if not text:

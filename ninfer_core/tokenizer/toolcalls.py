@@ -144,8 +144,13 @@ def opens_function(text: str, pos: int) -> bool | None:
 
 
 def parse_tool_calls(text: str, schemas: dict[str, dict] | None = None, *,
-                     max_markers: int = MAX_MARKERS) -> ParseResult:
-    """Split a finished answer into content and tool calls (see the module docstring)."""
+                     max_markers: int = MAX_MARKERS, undeclared_as_text: bool = False) -> ParseResult:
+    """Split a finished answer into content and tool calls (see the module docstring).
+
+    With `undeclared_as_text` a region that calls a function outside `schemas` stays ordinary
+    text (Responses: only the effective tool set becomes structured calls) instead of becoming a
+    call to malformed_tool_call.
+    """
     markers = find_markers(text, 0, max_markers)
     res = ParseResult(content=text, marker_seen=bool(markers))
     first_complete = bool(markers) and _opens_with_complete_call(text, markers[0], schemas)
@@ -161,6 +166,9 @@ def parse_tool_calls(text: str, schemas: dict[str, dict] | None = None, *,
     for pos in markers[:1] if first_complete else markers:
         if opens_function(text, pos):
             calls, dups, failure, trailing = _recover(text, pos, schemas)
+            if undeclared_as_text and failure is not None and failure.reason == "undeclared_tool":
+                res.fallback = "undeclared_tool"
+                return res
             res.content = _strip_before(text[:pos])
             res.calls = calls
             res.duplicate_parameters = dups
