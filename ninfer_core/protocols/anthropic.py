@@ -28,7 +28,7 @@ from ninfer_core.protocols.anthropic_history import omitted_signature, visible_s
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
 from ninfer_core.server.context import Ingress, ServerContext
-from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body
+from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop
 from ninfer_core.server.output import OutputDecoder, OutputEvent
 from ninfer_core.server.prepare import (
     forced_call_ids,
@@ -46,7 +46,6 @@ from ninfer_core.server.sse import (
     with_keepalive,
 )
 
-_LARGE_BODY = 256 * 1024
 PING = 'event: ping\ndata: {"type":"ping"}\n\n'
 log = logging.getLogger("ninfer.server")
 
@@ -227,12 +226,10 @@ class AnthropicMessages:
     async def _plan(request: Request, ctx: ServerContext, count_only: bool) -> MessagesPlan:
         raw = await request.body()
 
-        def parse() -> MessagesPlan:
-            return parse_request(parse_json_body(raw), ctx, count_only)
+        def parse(body: bytes) -> MessagesPlan:
+            return parse_request(parse_json_body(body), ctx, count_only)
 
-        if len(raw) > _LARGE_BODY:  # parsing a large body is host work: keep it off the event loop
-            return await anyio.to_thread.run_sync(parse)
-        return parse()
+        return await parse_off_loop(raw, parse)
 
     async def count(self, request: Request, ctx: ServerContext, counts: Ingress) -> Response:
         plan = await self._plan(request, ctx, count_only=True)

@@ -14,14 +14,12 @@ import logging
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent
 from ninfer_core.protocols.raw_prompt import (
-    LARGE_BODY,
     RawCompletionFields,
     RawPlan,
     check_fields,
@@ -35,7 +33,7 @@ from ninfer_core.protocols.raw_submit import (
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body
+from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
@@ -119,10 +117,7 @@ class LlamaCompletion:
 
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         raw = await request.body()
-        if len(raw) > LARGE_BODY:  # parsing a large body is host work: keep it off the event loop
-            plan = await anyio.to_thread.run_sync(validate_body, raw, ctx)
-        else:
-            plan = validate_body(raw, ctx)
+        plan = await parse_off_loop(raw, validate_body, ctx)
         sub = await submit_raw(request, ctx, plan.raw)
         if plan.raw.stream:
             return EventStreamResponse(self._stream(ctx, plan, sub), on_disconnect=sub.handle.cancel,

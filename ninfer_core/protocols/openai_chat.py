@@ -24,7 +24,7 @@ from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
 from ninfer_core.protocols.openai_chat_request import ChatPlan, validate_body
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import engine_error_body
+from ninfer_core.server.errors import engine_error_body, parse_off_loop
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
 from ninfer_core.server.prepare import (
     PreparedPrompt,
@@ -46,7 +46,6 @@ from ninfer_core.server.sse import (
     with_keepalive,
 )
 
-_LARGE_BODY = 256 * 1024
 log = logging.getLogger("ninfer.server")
 
 
@@ -85,10 +84,7 @@ class ChatCompletions:
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
         raw = await request.body()
-        if len(raw) > _LARGE_BODY:  # parsing a large body is host work: keep it off the event loop
-            plan = await anyio.to_thread.run_sync(validate_body, raw, ctx)
-        else:
-            plan = validate_body(raw, ctx)
+        plan = await parse_off_loop(raw, validate_body, ctx)
 
         log.debug("chat request: reasoning_effort asked %s, tools %d, forced %s, logprobs %s, thinking_budget %s",
                   plan.effort_requested, len(plan.tools or ()), plan.forced_tool is not None, plan.logprobs,

@@ -20,14 +20,13 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent
-from ninfer_core.protocols.raw_prompt import LARGE_BODY, RawCompletionFields, RawPlan, WireModel, check_fields
+from ninfer_core.protocols.raw_prompt import RawCompletionFields, RawPlan, WireModel, check_fields
 from ninfer_core.protocols.raw_submit import (
     LiveTimings,
     RawSubmission,
@@ -36,7 +35,7 @@ from ninfer_core.protocols.raw_submit import (
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body
+from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop
 from ninfer_core.server.sse import (
     DONE,
     KEEPALIVE,
@@ -158,10 +157,7 @@ class Completions:
 
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         raw = await request.body()
-        if len(raw) > LARGE_BODY:  # parsing a large body is host work: keep it off the event loop
-            plan = await anyio.to_thread.run_sync(validate_body, raw, ctx)
-        else:
-            plan = validate_body(raw, ctx)
+        plan = await parse_off_loop(raw, validate_body, ctx)
         sub = await submit_raw(request, ctx, plan.raw, plan.logprobs)
         cid = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())

@@ -23,7 +23,6 @@ from ninfer_core.protocols.openai_chat_request import check_response_format
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 32
-LARGE_BODY = 256 * 1024  # bodies above this are parsed on a worker thread
 
 # llama.cpp sampler controls NInfer does not have: accepted at their neutral value, refused otherwise
 # with `<field>_not_supported`. Each entry: (field, is-neutral test, what neutral means).

@@ -29,7 +29,7 @@ from ninfer_core.protocols.responses_items import breakpoint_markers, normalize_
 from ninfer_core.protocols.responses_output import ResponseBuilder, sse_event
 from ninfer_core.protocols.responses_request import CreatePlan, load_body, parse_request, resolve_thinking
 from ninfer_core.server.context import Ingress, ServerContext
-from ninfer_core.server.errors import bad_request
+from ninfer_core.server.errors import bad_request, parse_off_loop
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, logprob_json
 from ninfer_core.server.prepare import (
     ReasoningTokenCounter,
@@ -49,7 +49,6 @@ from ninfer_core.server.sse import (
 )
 
 log = logging.getLogger("ninfer.server")
-_LARGE_BODY = 256 * 1024
 SESSION_KEY_MAX = 64
 
 
@@ -242,10 +241,7 @@ class Responses:
     async def create(self, request: Request, ctx: ServerContext, store: ResponseStore) -> Response:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
         raw = await request.body()
-        if len(raw) > _LARGE_BODY:
-            data = await anyio.to_thread.run_sync(load_body, raw)
-        else:
-            data = load_body(raw)
+        data = await parse_off_loop(raw, load_body)
         plan = parse_request(data, ctx)
         staged = prepare_prompt(plan, ctx, store)
         if plan.store:

@@ -182,6 +182,19 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
                           param=_param(err.get("loc", ())))
 
 
+LARGE_BODY = 256 * 1024  # request bodies above this are parsed on a worker thread
+
+
+async def parse_off_loop(raw: bytes, parse, *args):
+    """`parse(raw, *args)`; on a worker thread when the body is large, since parsing and
+    validating a big request is host work that must not hold the event loop."""
+    if len(raw) > LARGE_BODY:
+        import anyio
+
+        return await anyio.to_thread.run_sync(parse, raw, *args)
+    return parse(raw, *args)
+
+
 def parse_json_body(raw: bytes) -> Any:
     """JSON of a request body, or EngineError invalid_json (400)."""
     try:
