@@ -326,3 +326,20 @@ def byte_tokenizer_section() -> dict:
             "added_tokens": [{"id": 256 + i, "content": c, "special": c.startswith("<|")}
                              for i, c in enumerate(added)],
             "eos_tokens": ["<|im_end|>"], "pad_token": "<|endoftext|>", "bos_token": None}
+
+
+def wait_server_idle(server, timeout: float = 20.0) -> dict:
+    """Poll a live server's GET /v1/load until nothing runs, waits or is admitted; returns that
+    report. `server` has a `base_url`. Fails the calling test after `timeout` seconds."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        load = httpx.get(server.base_url + "/v1/load", timeout=10).json()
+        r = load["requests"]
+        if r["running"] == 0 and r["admitted"] == 0 and r["waiting"] == 0:
+            return load
+        assert time.monotonic() < deadline, f"engine did not return to idle: {load}"
+        time.sleep(0.05)

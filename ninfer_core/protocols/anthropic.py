@@ -28,7 +28,7 @@ from ninfer_core.protocols.anthropic_history import omitted_signature, visible_s
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
 from ninfer_core.server.context import Ingress, ServerContext
-from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop
+from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop, internal_error
 from ninfer_core.server.output import OutputDecoder, OutputEvent
 from ninfer_core.server.prepare import (
     forced_call_ids,
@@ -387,7 +387,7 @@ class AnthropicMessages:
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
             log.exception("messages stream failed")
-            yield error_event(_internal_error(f"Internal server error: {type(e).__name__}"))
+            yield error_event(internal_error(e))
             return
         yield error_event(_internal_error("The engine ended the request without finishing it."))
 

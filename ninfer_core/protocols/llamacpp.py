@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
-from ninfer_core.engine.api import EngineError, EngineEvent
+from ninfer_core.engine.api import EngineEvent
 from ninfer_core.protocols.raw_prompt import (
     RawCompletionFields,
     RawPlan,
@@ -33,7 +33,7 @@ from ninfer_core.protocols.raw_submit import (
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop
+from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop, internal_error
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
@@ -214,8 +214,7 @@ class LlamaCompletion:
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
             log.exception("completion stream failed")
-            yield sse_data(engine_error_body(EngineError(
-                500, "internal_error", f"Internal server error: {type(e).__name__}", type_="server_error")))
+            yield sse_data(engine_error_body(internal_error(e)))
             return
         yield sse_data(engine_error_body(unfinished_error()))
 

@@ -24,7 +24,7 @@ from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
 from ninfer_core.protocols.openai_chat_request import ChatPlan, validate_body
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import engine_error_body, parse_off_loop
+from ninfer_core.server.errors import engine_error_body, parse_off_loop, internal_error
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
 from ninfer_core.server.prepare import (
     PreparedPrompt,
@@ -235,8 +235,7 @@ class ChatCompletions:
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
             log.exception("chat stream failed")
-            yield sse_data(engine_error_body(EngineError(
-                500, "internal_error", f"Internal server error: {type(e).__name__}", type_="server_error")))
+            yield sse_data(engine_error_body(internal_error(e)))
             return
         yield sse_data(engine_error_body(EngineError(
             500, "internal_error", "The engine ended the request without finishing it.", type_="server_error")))

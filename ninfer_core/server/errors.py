@@ -124,6 +124,11 @@ def engine_error_response(err: EngineError) -> JSONResponse:
     return JSONResponse(engine_error_body(err), status_code=err.status)
 
 
+def internal_error(exc: BaseException) -> EngineError:
+    """A failure after a stream's headers went out: named by its exception type only (no text)."""
+    return EngineError(500, "internal_error", f"Internal server error: {type(exc).__name__}", type_="server_error")
+
+
 def bad_request(code: str, message: str, param: str | None = None, status: int = 400) -> EngineError:
     """A client-input failure raised from a protocol adapter (400 unless told)."""
     return EngineError(status, code, message, param=param)

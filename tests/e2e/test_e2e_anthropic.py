@@ -15,6 +15,8 @@ import anthropic
 import httpx
 import pytest
 
+from ninfer_core.testing import wait_server_idle as _wait_idle
+
 pytestmark = pytest.mark.timeout(300)
 
 HI = [{"role": "user", "content": "Say hello."}]
@@ -31,15 +33,6 @@ def client(live_server):
         yield c
 
 
-def _wait_idle(server, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(server.base_url + "/v1/load", timeout=10).json()
-        if load["requests"]["running"] == 0 and load["requests"]["admitted"] == 0 \
-                and load["requests"]["waiting"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"engine did not return to idle: {load}"
-        time.sleep(0.05)
 
 
 def _text(message) -> str:

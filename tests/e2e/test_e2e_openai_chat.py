@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
+
+from ninfer_core.testing import wait_server_idle as _wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,15 +29,6 @@ def _load(server) -> dict:
     return httpx.get(server.base_url + "/v1/load", timeout=10).json()
 
 
-def _wait_idle(server, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = _load(server)
-        if load["requests"]["running"] == 0 and load["requests"]["admitted"] == 0 \
-                and load["requests"]["waiting"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"engine did not return to idle: {load}"
-        time.sleep(0.05)
 
 
 def test_health_was_503_while_loading_then_ok(live_server):

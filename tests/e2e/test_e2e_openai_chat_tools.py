@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
-import httpx
 import openai
 import pytest
+
+from ninfer_core.testing import wait_server_idle as _wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,15 +38,6 @@ def model_id(client):
     return client.models.list().data[0].id
 
 
-def _wait_idle(server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(server.base_url + "/v1/load", timeout=10).json()
-        r = load["requests"]
-        if r["running"] == 0 and r["admitted"] == 0 and r["waiting"] == 0:
-            return
-        assert time.monotonic() < deadline, f"engine did not return to idle: {load}"
-        time.sleep(0.05)
 
 
 def test_tools_accepted_and_round_trip(client, model_id, live_server):

@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from ninfer_core.testing import wait_server_idle as _wait_idle
+
 pytestmark = pytest.mark.timeout(300)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
@@ -33,15 +35,6 @@ def model_id(client):
     return client.models.list().data[0].id
 
 
-def _wait_idle(server, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(server.base_url + "/v1/load", timeout=10).json()
-        if load["requests"]["running"] == 0 and load["requests"]["admitted"] == 0 \
-                and load["requests"]["waiting"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"engine did not return to idle: {load}"
-        time.sleep(0.05)
 
 
 def test_create_retrieve_delete(client, live_server, model_id):
