@@ -1,10 +1,13 @@
 """The training module: transformers' Qwen3_5ForCausalLM plus the MTP head, under checkpoint names.
 
 The main model is transformers' text-only Qwen3.5 (Gated DeltaNet and gated full-attention
-layers in the 3:1 pattern, zero-centred RMSNorms, partial interleaved-mrope RoPE; without fla,
-transformers runs its torch GDN path). The MTP head follows `ninfer_qwen35.mtp`: at position t
-it reads the main model's final-normed hidden state h[t] and the embedding of token x[t+1],
-h' = fc(cat[pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])]), one
+layers in the 3:1 pattern, zero-centred RMSNorms, partial interleaved-mrope RoPE), always on
+transformers' torch Gated DeltaNet path: `use_torch_gdn` undoes transformers' choice of
+flash-linear-attention (fla) or causal-conv1d kernels when those are installed (fla 0.6.0 refuses
+its backward on Hopper with Triton 3.6, and the torch path is the one the tests check).
+
+The MTP head follows `ninfer_qwen35.mtp`: at position t it reads the main model's final-normed
+hidden state h[t] and the embedding of token x[t+1], h' = fc(cat[pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])]), one
 full-attention decoder layer at position t+1, `mtp.norm`, then the shared lm_head, and is
 trained to predict x[t+2]. Parameter names are the checkpoint's (`model.*`, `lm_head.weight`
 when untied, `mtp.*`), so the state dict is written to the artifact as it is.
@@ -12,9 +15,16 @@ when untied, `mtp.*`), so the state dict is written to the artifact as it is.
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# transformers' torch implementations of the Gated DeltaNet pieces, by their module-level names
+_TORCH_GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                    "torch_causal_conv1d_update", "causal_conv1d_fn", "causal_conv1d_update")
 
 
 def text_config(
@@ -45,6 +55,47 @@ def _hf_config(cfg: dict):
     return hf
 
 
+def use_torch_gdn(model: nn.Module) -> int:
+    """Make every Gated DeltaNet layer of `model` run transformers' torch path; returns the count.
+
+    Two shapes of transformers are handled. Recent versions wrap the torch functions of the
+    modeling module at import time so that they call fla / causal-conv1d when importable; the
+    wrappers keep the torch function as `__wrapped__`, and the module globals are set back to it
+    (process-wide: the torch path computes the same function, only slower). Older versions pick per
+    layer (`layer.chunk_gated_delta_rule = fla or torch`, `causal_conv1d_fn`, a fused
+    `FusedRMSNormGated`); those attributes are set to the torch versions and a fused norm is
+    replaced by transformers' own gated RMSNorm with the same weight.
+    """
+    count = 0
+    for layer in model.modules():
+        if not type(layer).__name__.endswith("GatedDeltaNet"):
+            continue
+        count += 1
+        mod = sys.modules[type(layer).__module__]
+        for name in _TORCH_GDN_FUNCS:
+            fn = getattr(mod, name, None)
+            base = inspect.unwrap(fn) if callable(fn) else None
+            if base is not None and base is not fn and getattr(base, "__module__", None) == mod.__name__:
+                setattr(mod, name, base)
+        for attr, torch_name in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                                 ("recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+                                 ("causal_conv1d_update", "torch_causal_conv1d_update")):
+            if attr in vars(layer) and hasattr(mod, torch_name):
+                setattr(layer, attr, getattr(mod, torch_name))
+        if "causal_conv1d_fn" in vars(layer):
+            layer.causal_conv1d_fn = None  # None selects the nn.Conv1d path
+        norm_cls = next((c for n, c in vars(mod).items() if n.endswith("RMSNormGated") and isinstance(c, type)
+                         and c.__module__ == mod.__name__), None)  # transformers' own, not fla's  # fmt: skip
+        norm = getattr(layer, "norm", None)
+        if norm_cls is not None and norm is not None and not isinstance(norm, norm_cls):
+            eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6))
+            torch_norm = norm_cls(norm.weight.shape[0], eps=eps)
+            with torch.no_grad():
+                torch_norm.weight.copy_(norm.weight)
+            layer.norm = torch_norm.to(norm.weight.device)
+    return count
+
+
 class MtpHead(nn.Module):
     def __init__(self, hf_cfg):
         super().__init__()
@@ -72,6 +123,7 @@ class TinyQwen(nn.Module):
         lm = Qwen3_5ForCausalLM(hf)
         # registered under the checkpoint's names: model.*, lm_head.*, mtp.*
         self.model, self.lm_head = lm.model, lm.lm_head
+        use_torch_gdn(self.model)
         self.mtp = MtpHead(hf)
         if cfg.get("tie_word_embeddings"):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -15,9 +15,9 @@ the ~80 M-token corpus (300k conversations at ~262 tokens each, plus 8 copies of
 tokens of prose). Training FLOPs ~ 6 N D = 6 x 10.0e6 x
 1.97e8 = 1.2e16 (+ ~10% attention and MTP): 1.3e16 FLOPs, i.e. ~130 s at 100 TFLOP/s and ~430 s
 at 30 TFLOP/s (the torch GDN path of transformers is launch-bound at this width, so we plan for
-the low end). `--fit-minutes 13` times the first steps and shortens the schedule to fit if the
-machine is slower than planned (the chosen length is printed; `--schedule-steps N` reproduces it);
-`--max-minutes` is a hard stop with a final checkpoint and artifact.
+the low end). `--fit-minutes 13` times steps 6-25 (the first 5 carry one-off set-up costs) and
+shortens the schedule to fit if the machine is slower than planned (the chosen length is printed;
+`--schedule-steps N` reproduces it); `--max-minutes` is a hard stop with a final checkpoint and artifact.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from multiprocessing import Pool
 from pathlib import Path
 
 NAME = "ninfer-tiny"
-FIT_PROBE = 20  # steps timed by --fit-minutes (inside the full recipe's 150-step warm-up)
+FIT_SKIP = 5  # first steps --fit-minutes does not time (allocator, cuBLAS/cuDNN set-up, autotuning)
+FIT_PROBE = 20  # steps timed by --fit-minutes after those (all inside the full recipe's 150-step warm-up)
 FIT_RESERVE_S = 60  # what --fit-minutes keeps for the artifact, checkpoints and slack
 
 
@@ -187,6 +188,59 @@ def package_artifact_path() -> Path:
 # training ----------------------------------------------------------------------------------------
 
 
+class StepProbe:
+    """Times FIT_PROBE steps after the first FIT_SKIP of a run (for --fit-minutes).
+
+    The first steps of a run pay one-off costs (CUDA context and allocator growth, cuBLAS/cuDNN
+    handles and autotuning): timing them made the H200 probe read 0.50 s/step for a run that then
+    went at ~0.28 s/step. `sync` (torch.cuda.synchronize on CUDA) runs before each clock reading so
+    queued kernels are counted in the right window. `done(k)` is called after the k-th step of this
+    run (1-based); it answers the seconds per step once, at k = FIT_SKIP + FIT_PROBE, else None.
+    """
+
+    def __init__(self, clock=time.monotonic, sync=None, skip: int = FIT_SKIP, probe: int = FIT_PROBE):
+        self.clock, self.sync, self.skip, self.probe = clock, sync or (lambda: None), skip, probe
+        self.t_start: float | None = None
+
+    @property
+    def end(self) -> int:
+        return self.skip + self.probe
+
+    def done(self, k: int) -> float | None:
+        if k == self.skip:
+            self.sync()
+            self.t_start = self.clock()
+        if k == self.end and self.t_start is not None:
+            self.sync()
+            return (self.clock() - self.t_start) / self.probe
+        return None
+
+
+def fitted_steps(done: int, per_step: float, seconds_left: float, schedule: int) -> int:
+    """The schedule length that ends within `seconds_left` from step `done` (never below `done`)."""
+    return max(done, min(schedule, done + int(max(seconds_left, 0.0) / per_step)))
+
+
+def attention_backend(dev_type: str, choice: str = "math"):
+    """The SDPA context for a training step.
+
+    On CUDA, "math" restricts scaled_dot_product_attention to its math backend: plain matmuls and a
+    softmax, so forward and backward are bit-for-bit repeatable under deterministic algorithms,
+    where the cuDNN (and memory-efficient) attention backward is not. At this width (3 attention
+    layers of 8 + MTP, 1,024 tokens) it costs little next to the Gated DeltaNet scan. "auto" leaves
+    PyTorch's choice (what trained the shipped artifact). On the CPU nothing changes.
+    """
+    import contextlib
+
+    if dev_type != "cuda" or choice == "auto":
+        return contextlib.nullcontext()
+    if choice != "math":
+        raise ValueError(f"unknown attention backend {choice!r} (math or auto)")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def lr_at(step: int, recipe: Recipe, total: int | None = None) -> float:
     """Linear warm-up, then cosine to 10% at `total` steps (the recipe's by default)."""
     total = total or recipe.steps
@@ -198,14 +252,16 @@ def lr_at(step: int, recipe: Recipe, total: int | None = None) -> float:
 
 def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: str | None = None,
           max_minutes: float | None = None, steps: int | None = None, resume: bool = False,
-          schedule_steps: int | None = None, fit_minutes: float | None = None) -> dict:
+          schedule_steps: int | None = None, fit_minutes: float | None = None,
+          attention: str = "math") -> dict:
     """Run the whole recipe into `out`; returns the summary (also written to out/summary.json).
 
     steps: stop after this many (default: the schedule's length). schedule_steps: the learning-rate
-    schedule's length (default: the recipe's). fit_minutes: after FIT_PROBE steps (still in
-    warm-up, so identical whatever the schedule), measure the step time and shorten the schedule
+    schedule's length (default: the recipe's). fit_minutes: time FIT_PROBE steps after the first
+    FIT_SKIP (all still in warm-up, so identical whatever the schedule) and shorten the schedule
     and the run so the whole command ends within that many minutes; the summary records the
     chosen count, and `--schedule-steps N` reproduces the same weights without the probe.
+    attention: the SDPA backend on CUDA (`attention_backend`): "math" (repeatable) or "auto".
 
     resume: continue from out/checkpoint.pt (model, optimizer, step; the batch stream is replayed
     to the same point, so a resumed run ends with the same weights as an uninterrupted one).
@@ -261,6 +317,7 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
         log(f"[tiny] resumed at step {start}")
     history: list[dict] = []
     t_train, seen, done = time.monotonic(), 0, start
+    probe = StepProbe(sync=torch.cuda.synchronize if dev.type == "cuda" else None)
     stopped_early = False
     for step in range(start, steps):
         if step >= steps:  # --fit-minutes shortened the run
@@ -272,24 +329,23 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
         for group in opt.param_groups:
             group["lr"] = lr_at(step, recipe, schedule)
         ids = next(data).to(dev, non_blocking=True)
-        with amp:
-            loss, main, mtp = model(ids)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with attention_backend(dev.type, attention):
+            with amp:
+                loss, main, mtp = model(ids)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         seen += ids.numel()
         done = step + 1
-        if fit_minutes is not None and step + 1 - start == FIT_PROBE:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.monotonic() - t_train) / FIT_PROBE
+        per_step = probe.done(step + 1 - start) if fit_minutes is not None else None
+        if per_step is not None:
             left = fit_minutes * 60 - (time.monotonic() - t0) - FIT_RESERVE_S
-            fitted = max(step + 1, min(schedule, step + 1 + int(left / per_step)))
+            fitted = fitted_steps(step + 1, per_step, left, schedule)
             if fitted < schedule:
                 schedule = steps = fitted
-            log(f"[tiny] {per_step:.3f} s/step: running {steps} steps (schedule {schedule}); "
-                f"--schedule-steps {schedule} reproduces this run")
+            log(f"[tiny] {per_step:.3f} s/step (steps {start + FIT_SKIP + 1}-{step + 1}): "
+                f"running {steps} steps (schedule {schedule}); --schedule-steps {schedule} reproduces this run")
         if step % recipe.log_every == 0 or step in (start, steps - 1):
             rate = seen / max(time.monotonic() - t_train, 1e-9)
             rec = {"step": step, "loss": loss.item(), "main": main.item(), "mtp": mtp.item(), "tok_s": rate}
@@ -306,6 +362,7 @@ def train(out: Path, recipe: Recipe, seed: int = 0, workers: int = 1, device: st
     summary = {
         "recipe": asdict(recipe), "seed": seed, "device": str(dev), "params": n_params, "vocab": vocab,
         "tokens": len(tokens), "steps": final_step, "schedule_steps": schedule, "stopped_early": stopped_early,
+        "attention": attention if dev.type == "cuda" else None,
         "history": history,
         "artifact": artifact, "artifact_bytes": os.path.getsize(artifact), "seconds": time.monotonic() - t0,
     }  # fmt: skip
@@ -326,11 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule-steps", type=int, default=None, help="learning-rate schedule length")
     p.add_argument("--fit-minutes", type=float, default=None,
                    help="shorten the schedule, after timing the first steps, to end within this time")
+    p.add_argument("--attention", choices=["math", "auto"], default="math",
+                   help="SDPA backend on CUDA: math (bit-for-bit repeatable, the default) or auto "
+                        "(PyTorch's choice, cuDNN on Hopper: its backward is not repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--install", action="store_true", help="copy the artifact into the ninfer_tiny package")
     a = p.parse_args(argv)
     summary = train(a.out, RECIPES[a.recipe], a.seed, a.workers, a.device, a.max_minutes, a.steps, a.resume,
-                    a.schedule_steps, a.fit_minutes)
+                    a.schedule_steps, a.fit_minutes, a.attention)
     if a.install:
         dest = package_artifact_path()
         shutil.copyfile(summary["artifact"], dest)

@@ -53,14 +53,83 @@ def test_a_resumed_run_ends_with_the_same_weights(tmp_path):
 def test_fit_minutes_shortens_the_schedule_and_the_printed_count_reproduces_it(tmp_path):
     import dataclasses
 
-    from ninfer_tiny.train import FIT_PROBE, RECIPES, train
+    from ninfer_tiny.train import FIT_PROBE, FIT_SKIP, RECIPES, train
 
-    recipe = dataclasses.replace(RECIPES["micro"], steps=FIT_PROBE + 20, warmup=FIT_PROBE + 5, log_every=50)
+    end = FIT_SKIP + FIT_PROBE
+    recipe = dataclasses.replace(RECIPES["micro"], steps=end + 20, warmup=end + 5, log_every=50)
     fitted = train(tmp_path / "fit", recipe, seed=2, workers=1, device="cpu", fit_minutes=0.001)
-    assert fitted["steps"] == fitted["schedule_steps"] == FIT_PROBE  # no time left after the probe
-    again = train(tmp_path / "again", recipe, seed=2, workers=1, device="cpu", schedule_steps=FIT_PROBE)
-    assert again["steps"] == FIT_PROBE
+    assert fitted["steps"] == fitted["schedule_steps"] == end  # no time left after the probe
+    again = train(tmp_path / "again", recipe, seed=2, workers=1, device="cpu", schedule_steps=end)
+    assert again["steps"] == end
     assert Path(fitted["artifact"]).read_bytes() == Path(again["artifact"]).read_bytes()
+
+
+def test_the_fit_probe_skips_the_warm_up_steps():
+    """Slow first steps (set-up) must not count: the H200 probe read 0.50 s/step for ~0.28."""
+    from ninfer_tiny.train import FIT_PROBE, FIT_SKIP, StepProbe
+
+    now = [0.0]
+    synced = []
+    probe = StepProbe(clock=lambda: now[0], sync=lambda: synced.append(now[0]))
+    answers = []
+    for k in range(1, FIT_SKIP + FIT_PROBE + 10):
+        now[0] += 3.0 if k <= FIT_SKIP else 0.25  # step k takes this long
+        answers.append(probe.done(k))
+    got = [a for a in answers if a is not None]
+    assert got == [pytest.approx(0.25)]  # once, the steady-state time only
+    assert answers.index(got[0]) == FIT_SKIP + FIT_PROBE - 1
+    assert len(synced) == 2  # the GPU queue is drained before both clock readings
+
+
+def test_fitted_steps():
+    from ninfer_tiny.train import fitted_steps
+
+    assert fitted_steps(25, 0.3, 300.0, 3000) == 25 + 1000
+    assert fitted_steps(25, 0.3, 3000.0, 3000) == 3000  # never longer than the recipe
+    assert fitted_steps(25, 0.3, -5.0, 3000) == 25  # no time left: stop where the probe ended
+
+
+def test_attention_backend_is_math_only_on_cuda():
+    from ninfer_tiny.train import attention_backend
+
+    with attention_backend("cuda", "math"):
+        assert torch.backends.cuda.math_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored
+    for dev, choice in (("cuda", "auto"), ("cpu", "math")):
+        with attention_backend(dev, choice):
+            assert torch.backends.cuda.flash_sdp_enabled()
+    with pytest.raises(ValueError):
+        attention_backend("cuda", "flash")
+
+
+def test_training_runs_the_torch_gdn_path_even_when_fla_is_installed(monkeypatch):
+    """Simulate transformers having bound fla: its wrappers must be bypassed (fla's backward
+    refuses to run on Hopper with Triton 3.6)."""
+    import functools
+
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf_mod
+    from ninfer_tiny.model import TinyQwen, text_config
+
+    calls = []
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
+        current = getattr(hf_mod, name)
+
+        def fake_fla(*args, _name=name, **kwargs):
+            calls.append(_name)
+            raise RuntimeError("fla: backward not supported on this GPU")
+
+        monkeypatch.setattr(hf_mod, name, functools.wraps(current)(fake_fla))  # as transformers wraps
+    cfg = text_config(64, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, lin_key_heads=1,
+                      lin_value_heads=2, lin_head_dim=16, intermediate=64, eos_token_id=1)  # fmt: skip
+    model = TinyQwen(cfg, seed=0)
+    loss, _, _ = model(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
+    loss.backward()
+    assert calls == [] and bool(loss.isfinite())
+    gdn = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    assert len(gdn) == 3 and all(m.A_log.grad is not None for m in gdn)
 
 
 def test_the_qwen35_plugin_loads_and_generates_from_the_artifact(micro_run):
