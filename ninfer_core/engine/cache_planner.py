@@ -1,0 +1,235 @@
+"""Pressure planning for the checkpoint catalog (spec "Execution behavior").
+
+Under pressure, inactive checkpoints are demoted to Host memory or evicted, chosen by the cost to
+rebuild them. This module decides *which*; it is pure (no model, no pools) so it is tested on its
+own (tests/test_cache_planner.py). `ninfer_core.engine.cache` builds the view and applies the plan.
+
+The model of cost:
+
+* Dropping checkpoint c costs the tokens a later request that would have resumed from c must
+  prefill again: c's frontier minus the frontier of the next shallower checkpoint that survives
+  (one whose tokens prefix c's, possibly of another owner), times c's reuse likelihood.
+* Demoting c's KV pages to Host memory costs the copy back: `HOST_RESUME_COST` of its frontier,
+  times the same likelihood.
+* The reuse likelihood halves every `HALF_LIFE_S` seconds a checkpoint goes unused, so recency
+  weighs, but a long conversation that was used a little earlier outweighs a short fresh one.
+
+A plan frees what the request needs (Device KV pages, Host StateImage slots) at the least total
+cost: a greedy choice by marginal cost per marginal unit freed, over single checkpoints and whole
+owners (a page shared by several checkpoints is freed only when all of them go, which no single
+choice shows), followed by dropping every choice the others make redundant. Pages held by anything
+outside the plan (a running request, a checkpoint that is not a candidate) are never counted as
+freed, so the plan never evicts something that frees nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+HALF_LIFE_S = 600.0
+HOST_RESUME_COST = 0.02  # a Host resume costs this share of re-prefilling the same tokens
+
+
+def likelihood(last_used: float, now: float, half_life: float = HALF_LIFE_S) -> float:
+    """Chance-like weight that a checkpoint is resumed again, halving per half life unused."""
+    return 0.5 ** (max(0.0, now - last_used) / half_life)
+
+
+@dataclass
+class Item:
+    """One inactive checkpoint the planner may demote or drop."""
+
+    key: Hashable
+    frontier: int
+    weight: float = 1.0  # reuse likelihood
+    # Candidate checkpoints whose tokens prefix this one's (key, frontier); equal frontiers count.
+    parents: tuple[tuple[Hashable, int], ...] = ()
+    floor: int = 0  # frontier of the deepest prefix checkpoint that always survives (0: root)
+    on_device: bool = True  # its KV pages are in Device memory (it may be demoted)
+    host_image: bool = False  # its StateImage is a Host copy (dropping it frees a Host state slot)
+    owner: Hashable | None = None  # items of one owner may be evicted together
+
+
+@dataclass
+class Extent:
+    """Pages with the same holders: `count` pages held by exactly the candidates in `holders`;
+    `pinned` when something else holds them too (they are never freed)."""
+
+    holders: frozenset
+    count: int
+    host: bool = False  # Host KV pages (freed by drops; demotion needs Device pages' copies)
+    pinned: bool = False
+
+
+@dataclass
+class Plan:
+    drop: list = field(default_factory=list)
+    demote: list = field(default_factory=list)
+    cost: float = 0.0
+    freed_pages: int = 0
+    freed_host_images: int = 0
+    host_pages_needed: int = 0
+
+
+class Planner:
+    """Plans over one view of the catalog (items and page extents)."""
+
+    def __init__(self, items: Iterable[Item], extents: Iterable[Extent], host_free_pages: int = 0):
+        self.items = {it.key: it for it in items}
+        self.extents = [e for e in extents if e.count > 0 and e.holders]
+        self.host_free = host_free_pages
+        self._by_key: dict[Hashable, list[int]] = {}
+        for i, e in enumerate(self.extents):
+            for k in e.holders:
+                self._by_key.setdefault(k, []).append(i)
+
+    # -- measures ---------------------------------------------------------------------------------
+    def cost(self, drop: frozenset, demote: frozenset) -> float:
+        total = 0.0
+        for k in drop:
+            it = self.items[k]
+            base = it.floor
+            for pk, pf in it.parents:
+                if pk not in drop and pf > base:
+                    base = pf
+            total += max(0, it.frontier - base) * it.weight
+        for k in demote:
+            it = self.items[k]
+            total += it.frontier * HOST_RESUME_COST * it.weight
+        return total
+
+    def freed_pages(self, drop: frozenset, demote: frozenset) -> int:
+        gone = drop | demote
+        return sum(e.count for e in self.extents if not e.host and not e.pinned and e.holders <= gone)
+
+    def host_pages_needed(self, demote: frozenset) -> int:
+        return sum(e.count for e in self.extents if not e.host and e.holders & demote)
+
+    def host_pages_freed(self, drop: frozenset) -> int:
+        return sum(e.count for e in self.extents if e.host and not e.pinned and e.holders <= drop)
+
+    def freed_host_images(self, drop: frozenset) -> int:
+        return sum(1 for k in drop if self.items[k].host_image)
+
+    def feasible(self, drop: frozenset, demote: frozenset) -> bool:
+        return self.host_pages_needed(demote) <= self.host_free + self.host_pages_freed(drop)
+
+    # -- search -----------------------------------------------------------------------------------
+    def plan(self, need_pages: int = 0, need_host_images: int = 0, limit: float = math.inf) -> Plan | None:
+        """The cheapest plan found that frees `need_pages` Device pages and `need_host_images` Host
+        state slots, or None when none does (or every one costs more than `limit`)."""
+        need_pages, need_host_images = max(0, need_pages), max(0, need_host_images)
+
+        def progress(drop, demote) -> float:
+            p = min(self.freed_pages(drop, demote), need_pages) / need_pages if need_pages else 0.0
+            h = min(self.freed_host_images(drop), need_host_images) / need_host_images if need_host_images else 0.0
+            return p + h
+
+        target = (1.0 if need_pages else 0.0) + (1.0 if need_host_images else 0.0)
+        drop: frozenset = frozenset()
+        demote: frozenset = frozenset()
+        if target == 0:
+            return Plan()
+        actions = self._actions(need_pages > 0)
+        done = progress(drop, demote)
+        cost = 0.0
+        while done < target - 1e-9:
+            best = None
+            for kind, keys in actions:
+                if kind == "drop":
+                    nd, nm = drop | keys, demote - keys
+                else:
+                    nm = demote | (keys - drop)
+                    nd = drop
+                if nd == drop and nm == demote:
+                    continue
+                gain = progress(nd, nm) - done
+                if gain <= 1e-12:
+                    continue
+                if not self.feasible(nd, nm):
+                    # A demotion blocked by a full Host KV tier may drop Host-resident checkpoints
+                    # to make room, their rebuild cost counted in.
+                    room = self._host_relief(nd, nm) if kind == "demote" else None
+                    if room is None:
+                        continue
+                    nd = nd | room
+                delta = self.cost(nd, nm) - cost
+                score = (delta / gain, -gain)
+                if best is None or score < best[0]:
+                    best = (score, nd, nm)
+            if best is None:
+                return None
+            _, drop, demote = best
+            cost = self.cost(drop, demote)
+            done = progress(drop, demote)
+        # Drop choices the others made redundant, the most expensive first.
+        for k in sorted(drop | demote, key=lambda k: -self._alone(k, drop, demote)):
+            nd, nm = drop - {k}, demote - {k}
+            if progress(nd, nm) >= target - 1e-9 and self.feasible(nd, nm) and self.cost(nd, nm) <= cost:
+                drop, demote = nd, nm
+                cost = self.cost(drop, demote)
+        # The greedy ratio can walk past one choice that alone covers the need more cheaply.
+        for kind, keys in actions:
+            nd, nm = (keys, frozenset()) if kind == "drop" else (frozenset(), keys)
+            if progress(nd, nm) >= target - 1e-9 and self.feasible(nd, nm):
+                c = self.cost(nd, nm)
+                if c < cost - 1e-9:
+                    drop, demote, cost = nd, nm, c
+        if cost > limit:
+            return None
+        order = sorted(self.items, key=str)
+        return Plan(drop=[k for k in order if k in drop], demote=[k for k in order if k in demote],
+                    cost=cost, freed_pages=self.freed_pages(drop, demote),
+                    freed_host_images=self.freed_host_images(drop),
+                    host_pages_needed=self.host_pages_needed(demote))
+
+    def _host_relief(self, drop: frozenset, demote: frozenset) -> frozenset | None:
+        """Host-resident checkpoints to drop so the demotions fit the Host KV tier (cheapest per
+        Host page freed first), or None when they cannot."""
+        added: frozenset = frozenset()
+        while not self.feasible(drop | added, demote):
+            base_cost = self.cost(drop | added, demote)
+            base_freed = self.host_pages_freed(drop | added)
+            best = None
+            for k, it in self.items.items():
+                if it.on_device or k in drop or k in added or k in demote:
+                    continue
+                trial = drop | added | {k}
+                freed = self.host_pages_freed(trial) - base_freed
+                if freed <= 0:
+                    continue
+                score = (self.cost(trial, demote) - base_cost) / freed
+                if best is None or score < best[0]:
+                    best = (score, k)
+            if best is None:
+                return None
+            added = added | {best[1]}
+        return added
+
+    def _alone(self, k, drop, demote) -> float:
+        return self.cost(drop, demote) - self.cost(drop - {k}, demote - {k})
+
+    def _actions(self, pages: bool) -> list[tuple[str, frozenset]]:
+        acts: list[tuple[str, frozenset]] = []
+        owners: dict[Hashable, set] = {}
+        for k, it in self.items.items():
+            acts.append(("drop", frozenset((k,))))
+            if pages and it.on_device:
+                acts.append(("demote", frozenset((k,))))
+            if it.owner is not None:
+                owners.setdefault(it.owner, set()).add(k)
+        for keys in owners.values():
+            if len(keys) > 1:
+                acts.append(("drop", frozenset(keys)))
+                dev = frozenset(k for k in keys if self.items[k].on_device)
+                if pages and len(dev) > 1:
+                    acts.append(("demote", dev))
+        return acts
+
+
+def lru_choice(items: Iterable[tuple[Hashable, float]]) -> Hashable | None:
+    """What a least-recently-used policy would evict first (the comparison the tests draw)."""
+    items = list(items)
+    return min(items, key=lambda kv: kv[1])[0] if items else None
