@@ -31,3 +31,12 @@ def test_series_follow_the_engine_counters():
     assert int(lines['ninfer:context_occupancy{pool="device_main_kv_pages"}']) > 0  # retained checkpoints
     assert "# TYPE ninfer:context_selections_total counter" in text
     assert context_cache_metrics({"context_cache": None}) == ""
+
+
+def test_counters_render_exactly():
+    from ninfer_core.engine.cache_metrics import family
+
+    big = 2**53 + 1  # a token counter past float precision stays exact
+    lines = family("x_total", "counter", "h", [({}, big), ({"a": "b"}, 0.25), ({"a": "c"}, 3.0)])
+    assert lines == ["# HELP x_total h", "# TYPE x_total counter", f"x_total {big}", 'x_total{a="b"} 0.25',
+                     'x_total{a="c"} 3']

@@ -542,7 +542,8 @@ def test_prompt_cache_breakpoints_become_engine_markers(app):
     assert tok.decode(req.prompt_ids[starts[2]:], skip_special=False).startswith("<|im_start|>assistant")
     assert req.checkpoint_hints.turn_closure == starts[-1]
     post(client)
-    assert engine.requests[-1].checkpoint_hints is None  # no markers: the engine derives its own hints
+    hints = engine.requests[-1].checkpoint_hints  # no markers: the turn closure preserve_thinking selects
+    assert hints.markers == [] and hints.turn_closure is not None
 
 
 def test_serve_flags():

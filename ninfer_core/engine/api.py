@@ -53,7 +53,13 @@ class GenerationRequest:
     # boundaries, stable prefix, client cache markers); None lets the engine derive them.
     checkpoint_hints: Any = None
     # A conversation identity (a Responses chain) so later turns can reuse the cached prefix; None: anonymous.
+    # The session's Responses replay checkpoint serves only requests of the same session.
     session_id: str | None = None
+    # False (a store:false Responses child): reads the session's checkpoints but publishes beside the
+    # chain instead of replacing its latest endpoint or replay checkpoint.
+    session_store: bool = True
+    # llama.cpp's cache_prompt: False keeps the request out of the context cache (no reuse, no capture).
+    cache_prompt: bool = True
     # Scoring (rerank): the log-softmax of these ids over the whole vocabulary at the first output
     # position, from the raw logits (no penalties, temperature or filters), reported on the finish
     # event as `scores`. Sampling is unaffected; pair it with max_tokens 0 to generate nothing.

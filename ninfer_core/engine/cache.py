@@ -231,10 +231,15 @@ class ContextCache:
         return False
 
     # -- admission --------------------------------------------------------------------------------
-    def select(self, prompt: list[int]) -> tuple[Checkpoint | None, Continuation | None, str | None]:
-        """The deepest retained checkpoint whose tokens prefix the prompt (and leave one to run)."""
+    def select(self, prompt: list[int], session_id: str | None = None
+               ) -> tuple[Checkpoint | None, Continuation | None, str | None]:
+        """The deepest retained checkpoint whose tokens prefix the prompt (and leave one to run).
+
+        A Responses replay checkpoint is keyed by its session: only requests of that session use it."""
         best: tuple[Checkpoint | None, Continuation | None, str | None] = (None, None, None)
         for owner, e in self._all_entries():
+            if e.kind == "response_replay" and (owner is None or owner.session_id != session_id):
+                continue
             c = e.ckpt
             deeper = best[0] is None or c.frontier > best[0].frontier or (
                 c.frontier == best[0].frontier and owner is None)  # a tie goes to the shared entry
@@ -245,10 +250,13 @@ class ContextCache:
     def make_room(self, seq: Sequence) -> bool:
         """Plan the head request's reuse and free pages (evicting inactive owners) until its
         entitlement fits; False when it must wait."""
-        ckpt = self.select(seq.prompt_ids)[0]
-        if ckpt is None and self.disk is not None and self.disk.restore:
+        if _opted_out(seq):  # cache_prompt false: prefilled from root, nothing shared
+            ckpt = None
+        else:
+            ckpt = self.select(seq.prompt_ids, _session(seq))[0]
+        if ckpt is None and self.disk is not None and self.disk.restore and not _opted_out(seq):
             self._restore_from_disk(seq, self._clock())
-            ckpt = self.select(seq.prompt_ids)[0]
+            ckpt = self.select(seq.prompt_ids, _session(seq))[0]
         while not self.pages.can_allocate(seq.entitlement_pages - self._shared_pages(ckpt)):
             if self._demote_one(keep=ckpt):
                 continue
@@ -258,7 +266,7 @@ class ContextCache:
 
     def admit(self, seq: Sequence, now: float) -> None:
         """Give an admitted request its pages (shared prefix + fresh) and its reuse plan."""
-        ckpt, owner, kind = self.select(seq.prompt_ids)
+        ckpt, owner, kind = (None, None, None) if _opted_out(seq) else self.select(seq.prompt_ids, _session(seq))
         plan = ReusePlan()
         if ckpt is not None:
             plan.ckpt, plan.owner, plan.kind = self._hold(ckpt), owner, kind
@@ -302,12 +310,17 @@ class ContextCache:
         hints: CheckpointHints = seq.hints or CheckpointHints()
         f, n = plan.frontier, seq.prompt_len
         out: dict[int, str] = {}
+        if _opted_out(seq):
+            return out
 
         def want(pos, kind):
             if pos is not None and f < pos < n and pos not in out:
                 out[pos] = kind
 
         want(hints.turn_closure, "turn_closure")
+        want(getattr(hints, "rolling_closure", None), "turn_closure")
+        if _session(seq) is not None:
+            want(getattr(hints, "replay", None), "response_replay")
         sp = hints.stable_prefix
         if sp is not None and 0 < sp < n and self.caps.max_shared_prefixes > 0:
             key = tuple(seq.prompt_ids[:sp])
@@ -464,7 +477,8 @@ class ContextCache:
             return None
         result = None
         try:
-            if completed and plan.materialized and self.caps.max_private_continuations > 0:
+            if completed and plan.materialized and self.caps.max_private_continuations > 0 \
+                    and not _opted_out(seq):
                 result = self._publish(seq, plan, now)
         finally:
             self.release(seq)
@@ -484,23 +498,28 @@ class ContextCache:
                 entries.append(Entry(e.kind, self._hold(e.ckpt)))
         if not entries:
             return None
-        # Inventory per continuation: endpoint + turn closure + long anchors (deepest kept).
-        limit = 2 + self.caps.max_long_anchors
-        entries.sort(key=lambda e: -e.ckpt.frontier)
+        # Inventory per continuation: endpoint + turn closure + long anchors (deepest kept). The
+        # endpoint, this request's turn closure (under preserve_thinking false the one a closed tool
+        # loop resumes from) and the session's latest replay checkpoint are kept first.
+        keep = _protected(seq, entries)
+        limit = 2 + self.caps.max_long_anchors + (1 if any(e.kind == "response_replay" for e in keep) else 0)
+        entries.sort(key=lambda e: (e not in keep, -e.ckpt.frontier))
         for e in entries[limit:]:
             self._drop(e.ckpt)
             self.counters["pressure"]["checkpoint_dropped"] += 1
         entries = entries[:limit]
         # Extending a conversation at its endpoint replaces it; a branch keeps it beside.
         old = plan.owner
-        replace = old is not None and plan.kind == "endpoint" and old in self.continuations
+        # A store:false Responses child reads the chain's checkpoints but never replaces its endpoint.
+        replace = old is not None and plan.kind == "endpoint" and old in self.continuations \
+            and getattr(seq.request, "session_store", True)
         if replace:
             idx = old.slot
             self._release_continuation(old)
         else:
             idx = self._free_cell()
         session = tuple(seq.prompt_ids + seq.output_ids)
-        cont = Continuation(idx, session, entries, last_used=now)
+        cont = Continuation(idx, session, entries, last_used=now, session_id=_session(seq))
         self.continuations[idx] = cont
         return cont
 
@@ -730,21 +749,85 @@ def build_context_cache(runner, pages: PagePool, options, state_bytes: int, page
     return cache
 
 
+def _opted_out(seq) -> bool:
+    """llama.cpp's cache_prompt: false keeps a request out of the context cache."""
+    return not getattr(getattr(seq, "request", None), "cache_prompt", True)
+
+
+def _session(seq) -> str | None:
+    return getattr(getattr(seq, "request", None), "session_id", None)
+
+
+def _protected(seq, entries: list[Entry]) -> list[Entry]:
+    """Entries a published continuation keeps before any anchor: the endpoint, the checkpoint at the
+    request's turn closure, and the deepest replay checkpoint (older replays of the session go)."""
+    hints = getattr(seq, "hints", None)
+    closure = getattr(hints, "turn_closure", None)
+    keep = [e for e in entries if e.kind == "endpoint"
+            or (e.kind == "turn_closure" and e.ckpt.frontier == closure)]
+    replays = [e for e in entries if e.kind == "response_replay"]
+    if replays:
+        deepest = max(replays, key=lambda e: e.ckpt.frontier)
+        keep.append(deepest)
+        for e in replays:
+            if e is not deepest:
+                e.kind = "long_anchor"
+    return keep
+
+
 def _monotonic() -> float:
     import time
 
     return time.monotonic()
 
 
-def derive_hints(tokenizer, prompt: list[int]) -> CheckpointHints:
-    """Hints for a request that brought none: ChatML message starts, when the tokenizer has them."""
+def derive_hints(tokenizer, prompt: list[int], preserve_thinking: bool | None = None) -> CheckpointHints:
+    """Hints for a request that brought none: ChatML message starts, when the tokenizer has them.
+
+    preserve_thinking (spec "Execution behavior") selects the turn closure: true, the current
+    response's opener, since every past reasoning block is rendered again as it ran; false or
+    unknown (the template default), the first assistant opener after the last user query, because
+    closing a tool loop re-renders its assistant turns without their reasoning. In an open tool loop
+    the current opener is kept as well (`rolling_closure`) for the loop's next step."""
     to_id = getattr(tokenizer, "token_to_id", None)
     im_start = to_id("<|im_start|>") if callable(to_id) else None
     if im_start is None:
         return CheckpointHints()
     system = tokenizer.encode("system", allow_special=False) if hasattr(tokenizer, "encode") else []
     system_first = bool(system) and prompt[:1] == [im_start] and prompt[1: 1 + len(system)] == system
-    return hints_from_chat_tokens(prompt, im_start, system_first)
+    hints = hints_from_chat_tokens(prompt, im_start, system_first)
+    if not preserve_thinking and hints.turn_closure is not None:
+        first = _open_turn_opener(tokenizer, prompt, im_start)
+        if first is not None and first < hints.turn_closure:
+            hints.rolling_closure, hints.turn_closure = hints.turn_closure, first
+    return hints
+
+
+ROLE_WINDOW = 24  # tokens after <|im_start|> enough to read "user\n<tool_response>" byte by byte
+
+
+def _open_turn_opener(tokenizer, prompt: list[int], im_start: int) -> int | None:
+    """The position of the first assistant opener after the last user query (a user turn that is
+    not a tool result), or None when the roles cannot be read."""
+    decode = getattr(tokenizer, "decode", None)
+    if not callable(decode):
+        return None
+    last_query = None
+    openers: list[int] = []
+    for i, t in enumerate(prompt):
+        if t != im_start:
+            continue
+        try:
+            head = decode(prompt[i + 1: i + 1 + ROLE_WINDOW], skip_special=False)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot decode gives no hint
+            return None
+        if head.startswith("assistant"):
+            openers.append(i)
+        elif head.startswith("user") and not head[4:].lstrip("\n").startswith("<tool_response>"):
+            last_query = i
+    if last_query is None:
+        return None
+    return next((i for i in openers if i > last_query), None)
 
 
 @hookimpl

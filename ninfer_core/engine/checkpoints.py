@@ -97,6 +97,7 @@ class Continuation:
     last_used: float = 0.0
     busy: int = 0  # active requests that resumed from it (is_processing)
     filename: str | None = None  # bound slot file (last save/restore)
+    session_id: str | None = None  # the Responses chain it belongs to (its replay checkpoint's key)
 
     @cached_property
     def digest(self) -> str:
@@ -113,15 +114,22 @@ class Continuation:
 class CheckpointHints:
     """Where a prompt's reusable frontiers are, as the server knows them from the template.
 
-    turn_closure: the frontier before the assistant opener of the open turn; boundaries: message
-    starts (long-anchor candidates); stable_prefix: the end of the system/tools prefix that other
-    conversations may share; markers: explicit client cache markers.
+    turn_closure: the frontier before the assistant opener of the open turn (preserve_thinking
+    false: the first assistant opener after the last user query, so closing a tool loop, which drops
+    its reasoning, still resumes there; true: the current response's opener); rolling_closure: with
+    preserve false in an open tool loop, the current response's opener too (the next step of the
+    loop resumes there while the turn stays open); boundaries: message starts (long-anchor
+    candidates); stable_prefix: the end of the system/tools prefix that other conversations may
+    share; markers: explicit client cache markers; replay: the end of the stored Responses history a
+    request replays (previous_response_id), kept as the session's replay checkpoint.
     """
 
     turn_closure: int | None = None
     boundaries: list[int] = field(default_factory=list)
     stable_prefix: int | None = None
     markers: list[int] = field(default_factory=list)
+    rolling_closure: int | None = None
+    replay: int | None = None
 
 
 def hints_from_chat_tokens(prompt: list[int], im_start: int | None, system_first: bool | None = None

@@ -36,6 +36,12 @@ log = logging.getLogger("ninfer.engine")
 
 COUNTERS = ("requests_completed", "requests_cancelled", "requests_rejected", "requests_timed_out",
             "requests_failed", "prompt_tokens_total", "generated_tokens_total")
+# Per-unit execution totals for GET /metrics and /v1/load (spec "Metrics"): they advance with every
+# prefill chunk and decode round, whichever request it served, not at request completion.
+UNIT_COUNTERS = ("computed_prefill_tokens", "prefill_seconds", "decode_seconds", "decode_rounds",
+                 "decode_row_rounds", "committed_decode_tokens", "prefix_cache_hit_tokens",
+                 "waiting_cancelled", "waiting_expired", "waiting_abandoned_seconds", "cancelled_prefills",
+                 "cancelled_prefill_computed_tokens", "context_transfer_seconds")
 
 
 def _context_report(seq: Sequence) -> dict | None:
@@ -90,7 +96,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._order = itertools.count()
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = dict.fromkeys(COUNTERS + UNIT_COUNTERS, 0)
         self._controls: list = []  # (fn, concurrent.futures.Future) run by the worker at a boundary
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
@@ -235,8 +241,13 @@ class Engine:
         for seq in self._boundary(admit=True):
             try:
                 if self.cache is not None:
+                    ckpt = seq.cache_plan.ckpt
+                    host = ckpt is not None and (ckpt.image is not None or ckpt.host_kv is not None)
+                    t0 = time.monotonic()
                     with self._cv:
                         self.cache.materialize(seq)
+                        if host:  # the admission waited for a Host -> Device copy
+                            self.counters["context_transfer_seconds"] += time.monotonic() - t0
                     plan = seq.cache_plan
                     log.info("request %s context: source=%s cache=%d prompt=%d captures=%d",
                              seq.request_id, plan.source, seq.cache_n, seq.prompt_len, len(plan.captures))
@@ -269,13 +280,22 @@ class Engine:
         ended: list[tuple[Sequence, EngineEvent]] = []
         admitted: list[Sequence] = []
         with self._cv:
+            now = time.monotonic()
             for seq in self._cancelled:
                 if seq.status is not SeqStatus.FINISHED:
+                    if seq.status is SeqStatus.WAITING:
+                        self.counters["waiting_cancelled"] += 1
+                        self.counters["waiting_abandoned_seconds"] += now - seq.t_submit
+                    elif seq.status is SeqStatus.PREFILL:
+                        self.counters["cancelled_prefills"] += 1
+                        self.counters["cancelled_prefill_computed_tokens"] += max(0, seq.num_cached - seq.cache_n)
                     self._end_locked(seq, "requests_cancelled")
                     ended.append((seq, self._finish_event(seq, "cancelled", None)))
             self._cancelled.clear()
             now = time.monotonic()
             for seq in self.scheduler.expired(now):
+                self.counters["waiting_expired"] += 1
+                self.counters["waiting_abandoned_seconds"] += now - seq.t_submit
                 self._end_locked(seq, "requests_timed_out")
                 ended.append((seq, EngineEvent("error", error=EngineError(
                     503, "request_queue_timeout",
@@ -296,6 +316,7 @@ class Engine:
     def _decode(self, batch: list[Sequence]) -> None:
         views = [SeqView(s.slot, s.pages[: pages_for(s.num_cached + 1, self.page_size)], s.num_cached)
                  for s in batch]
+        t0 = time.monotonic()
         try:
             logits = self.runner.decode(views, [s.last_token for s in batch])
             tokens = sample(logits, [s.sampler for s in batch])
@@ -309,7 +330,7 @@ class Engine:
             return
         with self._cv:  # /v1/load counters: rounds, rows and the tokens they committed
             for key, n in (("decode_rounds", 1), ("decode_row_rounds", len(batch)),
-                           ("committed_decode_tokens", len(batch))):
+                           ("committed_decode_tokens", len(batch)), ("decode_seconds", time.monotonic() - t0)):
                 self.counters[key] = self.counters.get(key, 0) + n
         for s, token, record in zip(batch, tokens, records):
             s.num_cached += 1
@@ -337,6 +358,7 @@ class Engine:
         chunk = seq.prompt_ids[start: end]
         view = SeqView(seq.slot, seq.pages[: pages_for(start + len(chunk), self.page_size)], start)
         last = start + len(chunk) == seq.prompt_len
+        t0 = time.monotonic()
         try:
             logits = self.runner.prefill(view, chunk)
             if last and seq.request.score_token_ids:
@@ -351,6 +373,9 @@ class Engine:
             self._fail(seq, exc)
             return
         seq.num_cached += len(chunk)
+        with self._cv:
+            self.counters["computed_prefill_tokens"] += len(chunk)
+            self.counters["prefill_seconds"] += time.monotonic() - t0
         if self.cache is not None and not last:
             with self._cv:
                 self.cache.after_chunk(seq, time.monotonic())
@@ -415,6 +440,7 @@ class Engine:
                     seq.retained = self.cache.on_finish(seq, True, time.monotonic())
                 except Exception:  # a capture failure must not fail the finished request
                     log.exception("context cache: publishing request %s failed", seq.request_id)
+            self.counters["prefix_cache_hit_tokens"] += seq.cache_n
             self._end_locked(seq, "requests_completed")
         if text or seq.unsent_ids:
             ids, seq.unsent_ids = seq.unsent_ids, []

@@ -34,6 +34,7 @@ from ninfer_core.server.prepare import (
     forced_call_ids,
     forced_call_opener,
     opens_reasoning,
+    prompt_hints,
     render_prompt_ids,
     resolve_sampling,
     thinking_fields,
@@ -79,18 +80,15 @@ def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
 
 def cache_hints(ctx: ServerContext, plan: MessagesPlan, ids: list[int]) -> Any:
     """cache_control breakpoints as exact prompt frontiers: the end of each hinted message (and of
-    the tools block); the latest four are kept. None: no hint (the engine derives its own)."""
+    the tools block); the latest four are kept, beside the turn closure the request's
+    preserve_thinking selects."""
     im_start = ctx.tokenizer.token_to_id("<|im_start|>")
     markers = breakpoint_markers(ids, im_start, plan.messages, bool(plan.tools))
     if plan.tools_cached and plan.tools and im_start is not None:
         starts = [i for i, t in enumerate(ids) if t == im_start]
         if len(starts) >= 2:  # the tools block is the first turn
             markers = sorted({starts[1], *markers})
-    if not markers:
-        return None
-    from ninfer_core.engine.cache import derive_hints
-
-    hints = derive_hints(ctx.tokenizer, ids)
+    hints = prompt_hints(ctx, ids, plan.template_kwargs)
     hints.markers = markers[-MAX_BREAKPOINTS:]
     return hints
 

@@ -45,8 +45,8 @@ from ninfer_core.server.sse import (
 
 log = logging.getLogger("ninfer.server")
 
-# No context cache retains a finished raw request yet, so no slot holds it: -1 is llama.cpp's "any
-# slot", which a client echoing it back as the request's id_slot leaves without effect.
+# A request the context cache did not retain (cache_prompt false, --no-prefix-reuse) is in no slot:
+# -1 is llama.cpp's "any slot", which a client echoing it back as id_slot leaves without effect.
 NO_SLOT = -1
 STOP_TYPES = {"eos": "eos", "stop_string": "word", "max_tokens": "limit", "context": "limit"}
 
@@ -84,6 +84,12 @@ def validate_body(raw: bytes, ctx: ServerContext) -> LlamaPlan:
             raise bad_request("invalid_value", "response_fields names must be non-empty.",
                               f"response_fields.{i}")
     return LlamaPlan(check_fields(req, ctx, limit, negative_is_unlimited=True, limit_param=param), req)
+
+
+def _slot(ev: EngineEvent) -> int:
+    """The /slots cell the finished session was retained under (the context cache's report)."""
+    slot = (getattr(ev, "context", None) or {}).get("id_slot")
+    return slot if isinstance(slot, int) else NO_SLOT
 
 
 def select_fields(obj: dict, names: list[str] | None) -> dict:
@@ -136,7 +142,7 @@ class LlamaCompletion:
         stop_type = STOP_TYPES.get(ev.stop_reason or "", "none")
         return {
             "index": 0, "content": content, "tokens": list(ids) if plan.return_tokens else [],
-            "id_slot": NO_SLOT, "stop": True, "model": ctx.model.id,
+            "id_slot": _slot(ev), "stop": True, "model": ctx.model.id,
             "tokens_predicted": u.completion_tokens if u else len(ids),
             "tokens_evaluated": u.prompt_tokens if u else len(sub.prompt_ids),
             "generation_settings": settings_dict(ctx, plan.raw, sub.sampling, sub.n_predict),

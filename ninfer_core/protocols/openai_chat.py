@@ -32,6 +32,7 @@ from ninfer_core.server.prepare import (
     derived_output_limit,
     forced_call_ids,
     forced_call_opener,
+    prompt_hints,
     render_prompt_ids,
     resolve_sampling,
     thinking_fields,
@@ -107,6 +108,7 @@ class ChatCompletions:
                                     stop=plan.stop, ignore_eos=plan.ignore_eos,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
                                     deadline=deadline, logprobs=plan.logprobs,
+                                    checkpoint_hints=prompt_hints(ctx, prompt.ids, plan.template_kwargs),
                                     **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
                                                       sampling))
             handle = ctx.engine.submit(gen)

@@ -1,7 +1,9 @@
 """Built-in protocol plugin: operational routes (health, API index, models, props, load).
 
-GET /health, GET /v1, GET /v1/models, GET /v1/models/{id}, GET /props and GET /v1/load, in the
-shapes of the spec's Server version, Models, Props and Load sections.
+GET /health, GET /v1, GET /v1/models, GET /v1/models/{id}, GET /props, GET /v1/load and GET /metrics,
+in the shapes of the spec's Server version, Models, Props, Load and Metrics sections. /v1/load and
+/metrics read only the engine's published snapshot and the ingress count (never wait on a forward);
+like every route but /health they need the API key when one is configured.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError
 from ninfer_core.server.context import ServerContext
+from ninfer_core.server.metrics import render_metrics
 from ninfer_core.server.prepare import default_settings
 from ninfer_core.version import build_string
 
@@ -41,7 +45,7 @@ def props(ctx: ServerContext) -> dict[str, Any]:
         "model_path": ctx.model.artifact_path,
         "modalities": {"vision": ctx.model.vision, "audio": False},
         "build_info": f"ninfer {build_string()}",
-        "endpoint_slots": False, "endpoint_props": True, "endpoint_metrics": False,
+        "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
         "cors_proxy_enabled": False,
     }
 
@@ -70,6 +74,8 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
     slots_used = max(0, slots_total - _int(snap, "slots_free", default=slots_total))
     counters = snap.get("counters") if isinstance(snap.get("counters"), dict) else {}
     cc = snap.get("context_cache") if isinstance(snap.get("context_cache"), dict) else {}
+    running = _int(snap, "lanes_active")
+    prefilling = _int(snap, "prefilling")
     return {
         "object": "ninfer.load",
         "model": ctx.model.id,
@@ -83,9 +89,12 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
             "host_state_slots": _int(cc, "host_state_slots"), "host_kv_bytes": _int(cc, "host_kv_bytes"),
         },
         "requests": {
-            "admitted": ctx.ingress.admitted, "running": _int(snap, "lanes_active"),
-            "prefilling": _int(snap, "prefilling"), "decode_ready": _int(snap, "decode_ready"),
+            "admitted": ctx.ingress.admitted, "running": running,
+            "prefilling": min(prefilling, 1), "decode_ready": _int(snap, "decode_ready"),
             "waiting": _int(snap, "pending"),
+            # Admitted lanes still restoring their reused prefix: the engine materializes a lane
+            # within the boundary that admits it, so none is ever observed in that state.
+            "materializing": _int(snap, "materializing"),
         },
         "occupancy": {
             "device_main_kv_pages": pages_used, "device_main_kv_tokens": pages_used * page,
@@ -93,11 +102,11 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
             "host_state_slots": _int(cc, "host_state_slots_used"), "host_kv_bytes": _int(cc, "host_kv_bytes_used"),
         },
         "counters": {
-            # The engine's own monotonic counters, then the spec's names over them.
-            **{k: int(v) for k, v in counters.items() if isinstance(v, (int, float))},
-            # Without a context cache every admitted prompt token is computed.
-            "computed_prefill_tokens": (_int(cc, "computed_prefill_tokens") if cc
-                                        else _int(counters, "prompt_tokens_total")),
+            # The engine's own monotonic request and token counts, then the spec's names over them.
+            **{k: int(v) for k, v in counters.items()
+               if isinstance(v, (int, float)) and not k.endswith("_seconds")},
+            # Prompt tokens the prefill units computed (reused ones excluded), counted per chunk.
+            "computed_prefill_tokens": _int(counters, "computed_prefill_tokens"),
             "committed_decode_tokens": _int(counters, "committed_decode_tokens"),
             "reused_prompt_tokens": _int(cc, "reused_prompt_tokens"),
             "decode_rounds": _int(counters, "decode_rounds"),
@@ -135,12 +144,16 @@ class Ops:
         async def get_load() -> dict:
             return load_report(ctx)
 
+        async def get_metrics() -> PlainTextResponse:
+            return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
+
         router.add_api_route("/health", health, methods=["GET"])
         router.add_api_route("/v1", api_index, methods=["GET"])
         router.add_api_route("/v1/models", list_models, methods=["GET"])
         router.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
         router.add_api_route("/props", get_props, methods=["GET"])
         router.add_api_route("/v1/load", get_load, methods=["GET"])
+        router.add_api_route("/metrics", get_metrics, methods=["GET"])
 
 
 PROTOCOL = Ops()

@@ -64,7 +64,7 @@ class RawCompletionFields(WireModel):
     stream: bool | None = None
     timings_per_token: bool | None = None
     response_format: Any = None
-    cache_prompt: bool | None = None  # no context cache to keep the request out of yet: no effect
+    cache_prompt: bool | None = None  # false keeps the request out of the context cache (no reuse, no capture)
     # llama.cpp controls, neutral values only
     repeat_penalty: float | None = None
     typical_p: float | None = None

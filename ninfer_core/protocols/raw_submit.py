@@ -51,7 +51,8 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: 
         gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
                                 ignore_eos=plan.ignore_eos,
                                 request_id=request.scope.get("state", {}).get("request_id", ""),
-                                deadline=deadline, checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs)
+                                deadline=deadline, checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
+                                cache_prompt=plan.cache_prompt)
         handle = ctx.engine.submit(gen)
     except EngineError as e:
         release()

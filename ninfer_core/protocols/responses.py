@@ -25,7 +25,13 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, GenerationRequest
-from ninfer_core.protocols.responses_items import breakpoint_markers, normalize_input, show, to_messages
+from ninfer_core.protocols.responses_items import (
+    BREAKPOINT_KEY,
+    breakpoint_markers,
+    normalize_input,
+    show,
+    to_messages,
+)
 from ninfer_core.protocols.responses_output import ResponseBuilder, sse_event
 from ninfer_core.protocols.responses_request import CreatePlan, load_body, parse_request, resolve_thinking
 from ninfer_core.server.context import Ingress, ServerContext
@@ -35,6 +41,7 @@ from ninfer_core.server.prepare import (
     ReasoningTokenCounter,
     forced_call_ids,
     forced_call_opener,
+    prompt_hints,
     render_prompt_ids,
     resolve_sampling,
     thinking_fields,
@@ -102,23 +109,47 @@ def prepare_prompt(plan: CreatePlan, ctx: ServerContext,
 
 
 def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan: CreatePlan,
-           ctx: ServerContext) -> Prepared:
-    """Host work (run on a worker thread): the template and tokenisation, plus a forced call opener."""
-    prep, messages, kwargs = prep_and_messages
-    prompt = render_prompt_ids(ctx, messages, plan.tools.template_tools or None, prep.thinking, kwargs)
-    prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
-    markers = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), messages,
-                                 bool(plan.tools.template_tools))
-    if markers:
-        from ninfer_core.engine.cache import derive_hints
+           ctx: ServerContext, checkpoints: bool = False) -> Prepared:
+    """Host work (run on a worker thread): the template and tokenisation, plus a forced call opener.
 
-        prep.hints = derive_hints(ctx.tokenizer, prep.ids)
-        prep.hints.markers = markers
+    With `checkpoints` (Create), also the context-cache hints: the turn closure preserve_thinking
+    selects, the client's prompt_cache_breakpoint markers, and the replay frontier."""
+    prep, messages, kwargs = prep_and_messages
+    tools = plan.tools.template_tools or None
+    prompt = render_prompt_ids(ctx, messages, tools, prep.thinking, kwargs)
+    prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
+    if checkpoints:
+        prep.hints = prompt_hints(ctx, prep.ids, kwargs)
+        prep.hints.markers = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), messages,
+                                                bool(plan.tools.template_tools))
+        if prep.history:
+            prep.hints.replay = replay_frontier(ctx, prep, plan, messages)
     if plan.tools.forced is not None:
         prep.forced_opener = forced_call_opener(plan.tools.forced)
         prep.ids += forced_call_ids(ctx.tokenizer, plan.tools.forced)
         prep.opens_reasoning = False
     return prep
+
+
+def replay_frontier(ctx: ServerContext, prep: Prepared, plan: CreatePlan, messages: list[dict]) -> int | None:
+    """Where the replayed stored history (previous_response_id) ends in this prompt: the start of the
+    first message of the new input. Every request that replays the same stored Response (a retry, a
+    sibling with other input, a store:false probe) renders the history the same way up to there, so
+    the session keeps a checkpoint at it (private_response_replay). None when the new input does not
+    start a message of its own or the prompt does not have the layout the template predicts."""
+    try:
+        hist = to_messages([(i, "previous_response_id") for i in prep.history], plan.instructions,
+                           ctx.options.lenient_assistant_history)
+    except EngineError:
+        return None
+    k = len(hist)
+    if not 0 < k < len(messages) or messages[:k] != hist:
+        return None
+    flagged = [{key: v for key, v in m.items() if key != BREAKPOINT_KEY} for m in messages]
+    flagged[k - 1][BREAKPOINT_KEY] = True  # "a marker ends the last replayed message"
+    marks = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), flagged,
+                               bool(plan.tools.template_tools))
+    return marks[0] if marks else None
 
 
 def _usage(event, reasoning_tokens: int) -> dict:
@@ -251,7 +282,7 @@ class Responses:
 
         rid = "resp_" + secrets.token_hex(16)
         try:
-            prep: Prepared = await anyio.to_thread.run_sync(render, staged, plan, ctx)
+            prep: Prepared = await anyio.to_thread.run_sync(render, staged, plan, ctx, True)
             sampling = resolve_sampling(ctx, prep.thinking, {"temperature": plan.temperature, "top_p": plan.top_p},
                                         None)
             # A stored root names the chain's session; children inherit it; a store:false root is anonymous.
@@ -261,7 +292,8 @@ class Responses:
                 prep.session_id = ("resp:" + rid)[:SESSION_KEY_MAX]
             gen = GenerationRequest(prompt_ids=prep.ids, sampling=sampling, max_tokens=plan.max_output_tokens,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
-                                    deadline=deadline, session_id=prep.session_id, checkpoint_hints=prep.hints,
+                                    deadline=deadline, session_id=prep.session_id, session_store=plan.store,
+                                    checkpoint_hints=prep.hints,
                                     logprobs=(plan.top_logprobs or 0) if plan.logprobs else None,
                                     **thinking_fields(ctx, prep, plan.thinking_budget, plan.post_thinking, sampling))
             handle = ctx.engine.submit(gen)

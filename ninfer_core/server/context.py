@@ -85,6 +85,7 @@ class ServerContext:
     ready_at: float | None = None
     load_error: str | None = None
     ingress: Ingress | None = None
+    requests_rejected: int = 0  # generation requests refused in preparation (ninfer:requests_rejected_total)
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:

@@ -118,6 +118,14 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
     return PreparedPrompt(ids=ids, opens_reasoning=opens_reasoning(tok, ids))
 
 
+def prompt_hints(ctx: ServerContext, ids: list[int], template_kwargs: dict[str, Any]) -> Any:
+    """CheckpointHints for a rendered chat prompt under the request's resolved preserve_thinking
+    (spec "Execution behavior": it selects the turn-closure frontier of new checkpoints)."""
+    from ninfer_core.engine.cache import derive_hints
+
+    return derive_hints(ctx.tokenizer, ids, bool(template_kwargs.get("preserve_thinking")))
+
+
 def _is_template_error(e: Exception) -> bool:
     try:
         import jinja2
