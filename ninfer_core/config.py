@@ -44,6 +44,7 @@ class EngineOptions:
     branch_anchors: bool = False
     endpoint_anchors: bool = True
     slot_save_path: str | None = None
+    auto_save_evicted: bool = False  # write an evicted session back to its bound slot file
     disk_kv_path: str | None = None  # disk tier under the Host tier (ninfer_core.engine.cache_disk)
     disk_kv_gib: float = 64
     disk_kv_restore: bool = False

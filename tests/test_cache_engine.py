@@ -258,7 +258,7 @@ def test_page_pressure_evicts_inactive_owners_and_requests_still_run():
     audit(eng)
 
 
-def test_continuation_capacity_is_lru():
+def test_continuation_capacity_evicts_the_least_recent_of_equals():
     rng = random.Random(10)
     eng = engine(max_private_continuations=2)
     ps = [toks(rng, 80) for _ in range(3)]
@@ -347,3 +347,125 @@ def test_host_kv_tier_demotes_pages_under_pressure_and_resumes_exactly():
     assert again.token_ids == outs[1].token_ids
     audit(eng)
     assert eng.snapshot()["context_cache"]["host_kv_bytes_used"] == 0
+
+
+def test_continuation_limit_evicts_the_cheapest_to_rebuild_not_the_least_recent():
+    rng = random.Random(14)
+    eng = engine(max_private_continuations=2)
+    long_conv = toks(rng, 600)
+    short_conv = toks(rng, 70)
+    out_long = run(eng, long_conv)
+    run(eng, short_conv)  # used more recently, but 8x cheaper to rebuild
+    run(eng, toks(rng, 90))  # needs a cell: LRU would evict the long conversation
+    sel = selections(eng)
+    nxt = long_conv + out_long.token_ids + toks(rng, 5)
+    o = run(eng, nxt)
+    assert source_of(eng, sel) == "private_endpoint"
+    assert o.token_ids == root_output(nxt)
+    sel = selections(eng)
+    run(eng, short_conv + [1, 2])
+    assert source_of(eng, sel) == "root"
+    audit(eng)
+
+
+def test_page_pressure_drops_an_endpoint_and_keeps_the_turn_closure():
+    rng = random.Random(15)
+    # 12 pages, no Host KV. A keeps a turn closure at 130 (3 pages) and an endpoint at 305 (5 pages).
+    # B needs 8 pages with 7 free: dropping A's endpoint frees 2 pages at a rebuild cost of 175
+    # tokens; LRU evicted all of A.
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=4, host_kv_mib=0)
+    a = toks(rng, 300)
+    out_a = run(eng, a, max_tokens=6, hints=CheckpointHints(turn_closure=130))
+    assert out_a.finish.usage.completion_tokens == 6
+    b = toks(rng, 455)
+    assert run(eng, b, max_tokens=6).token_ids == root_output(b, 6)
+    cc = eng.snapshot()["context_cache"]
+    assert cc["pressure"]["checkpoint_dropped"] == 1 and cc["pressure"]["private_owner_evicted"] == 0
+    assert cc["pressure"]["private_owner_degraded"] >= 1
+    cont = next(c for c in eng.cache.continuations if c is not None and c.session[:300] == tuple(a))
+    assert [e.kind for e in cont.entries] == ["turn_closure"]
+    # An edit of A's last message still resumes at its closure, exactly.
+    edit = a[:130] + toks(rng, 40)
+    sel = selections(eng)
+    o = run(eng, edit, max_tokens=6)
+    assert source_of(eng, sel) == "private_turn_closure" and o.finish.usage.cached_tokens == 130
+    assert o.token_ids == root_output(edit, 6)
+    audit(eng)
+
+
+def test_host_kv_is_accounted_in_pages_shared_by_the_checkpoints_that_share_them():
+    rng = random.Random(16)
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8)
+    convs = [toks(rng, 260) for _ in range(3)]
+    for p in convs:
+        run(eng, p, max_tokens=6, hints=CheckpointHints(turn_closure=250))
+    cc = eng.snapshot()["context_cache"]
+    assert cc["host_kv_pages_used"] > 0
+    assert cc["host_kv_bytes_used"] == cc["host_kv_pages_used"] * eng.cache.page_bytes
+    assert cc["pressure"]["private_owner_demoted"] >= 1
+    for c in eng.cache.continuations:
+        if c is None or not any(e.ckpt.host_pages for e in c.entries):
+            continue
+        # Closure (4 pages) and endpoint (5 pages) share their first four Host pages: 5 in all.
+        held = {p for e in c.entries for p in e.ckpt.host_pages}
+        assert len(held) == 5
+    with eng._cv:
+        eng.cache.audit([])
+    audit(eng)
+    assert eng.snapshot()["context_cache"]["host_kv_pages_used"] == 0
+
+
+def _cancel_after(eng, prompt, cached_at_least, max_tokens=4, hints=None):
+    """Submit, let the prefill reach `cached_at_least` tokens, cancel, and collect."""
+    def hold(kind, views, tokens):
+        if kind == "prefill" and views[0].num_cached >= cached_at_least:
+            eng.runner.pause()
+        return False
+
+    eng.runner.fail_if = hold
+
+    async def go():
+        h = eng.submit(GenerationRequest(prompt_ids=list(prompt), sampling=GREEDY, max_tokens=max_tokens,
+                                         checkpoint_hints=hints or CheckpointHints()))
+        await asyncio.to_thread(eng.runner.entered.wait, 30)
+        h.cancel()
+        eng.runner.fail_if = None
+        eng.runner.resume()
+        return await collect(h)
+
+    return run_async(go())
+
+
+def test_a_cancelled_prefill_is_salvaged_and_the_retry_resumes_there():
+    rng = random.Random(17)
+    eng = engine(prefill_chunk=32)
+    p = toks(rng, 300)
+    out = _cancel_after(eng, p, 96)
+    assert out.finish.finish_reason == "cancelled"
+    cc = eng.snapshot()["context_cache"]
+    assert cc["salvage"]["cancelled_prefills"] == 1 and cc["salvage"]["cancelled_prefills_salvaged"] == 1
+    (cont,) = [c for c in eng.cache.continuations if c is not None]
+    reached = len(cont.session)
+    assert 96 < reached < 300 and cont.session == tuple(p[:reached])
+    assert out.finish.context["id_slot"] == cont.slot
+    with eng._cv:
+        eng.cache.audit([])
+    sel = selections(eng)
+    retry = run(eng, p, max_tokens=6)
+    assert source_of(eng, sel) == "private_endpoint" and retry.finish.usage.cached_tokens == reached
+    assert retry.token_ids == root_output(p, 6)
+    audit(eng)
+
+
+def test_a_prefill_cancelled_before_computing_anything_new_publishes_nothing():
+    rng = random.Random(18)
+    eng = engine(prefill_chunk=32)
+    p = toks(rng, 200)
+    out = _cancel_after(eng, p, 0)
+    assert out.finish.finish_reason == "cancelled"
+    # The held forward was the first chunk: it finishes, so 32 tokens are kept; a request cancelled
+    # while waiting (never admitted) keeps nothing.
+    cc = eng.snapshot()["context_cache"]
+    assert cc["salvage"]["cancelled_prefills"] == 1
+    assert cc["private_continuations"] == cc["salvage"]["cancelled_prefills_salvaged"]
+    audit(eng)

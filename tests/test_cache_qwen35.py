@@ -17,6 +17,7 @@ from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import GenerationRequest, SamplingParams
 from ninfer_core.engine.checkpoints import CheckpointHints
 from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.pages import pages_for
 from ninfer_core.testing import collect, run_async
 from ninfer_core.tokenizer import Tokenizer
 from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
@@ -190,4 +191,98 @@ def test_host_kv_tier_matches_root(model, root):
     assert source_delta(eng, s) == "private_endpoint"
     assert eng.snapshot()["context_cache"]["transfer_bytes"]["main_kv_h2d"] > 0
     assert o.token_ids == root(nxt)
+    idle(eng)
+
+
+def test_disk_tier_restore_and_a_corrupt_page_match_root(model, root, tmp_path):
+    import os
+
+    from ninfer_core.engine.cache_disk import prefix_digests
+
+    tok = model[2]
+    opts = {"max_private_continuations": 1, "disk_kv_path": str(tmp_path), "disk_kv_restore": True,
+            "disk_kv_model": "tiny"}
+    eng = engine(model, **opts)
+    a = chat(tok, [{"role": "user", "content": "Explain the disk tier of a context cache " * 3}])
+    out = run(eng, a)
+    run(eng, chat(tok, [{"role": "user", "content": "Something else entirely."}]))  # evicts A to disk
+    eng.cache.disk.flush(60)
+    nxt = a + out.token_ids + tok.encode(" continue")
+    s = sel(eng)
+    o = run(eng, nxt)
+    assert source_delta(eng, s) == "private_endpoint"
+    assert o.finish.usage.cached_tokens == len(a) + len(out.token_ids) - 1
+    assert o.token_ids == root(nxt)
+    idle(eng)  # nothing resident any more; the files stay
+    # One corrupted page file: the restore misses and the prompt is recomputed, same output.
+    dig = prefix_digests(nxt, {64})[64]
+    page = eng.cache.disk.pages[dig].path
+    with open(page, "rb") as fh:
+        data = bytearray(fh.read())
+    data[-3] ^= 0x55
+    with open(page, "wb") as fh:
+        fh.write(bytes(data))
+    s = sel(eng)
+    o = run(eng, nxt)
+    assert source_delta(eng, s) == "root" and o.token_ids == root(nxt)
+    assert eng.snapshot()["context_cache"]["disk"]["crc_failures"] == 1 and not os.path.exists(page)
+    idle(eng)
+
+
+def test_salvaged_cancelled_prefill_matches_root(model, root):
+    import asyncio
+    import threading
+
+    tok = model[2]
+    eng = engine(model, prefill_chunk=32)
+    p = chat(tok, [{"role": "user", "content": "A long question about salvaging cancelled prefills " * 4}])
+    assert len(p) > 100
+    real = eng.runner.prefill
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(view, tokens, all_logits=False):  # hold the third chunk until the cancel is in
+        if view.num_cached >= 64 and not gate.is_set():
+            entered.set()
+            gate.wait(60)
+        return real(view, tokens, all_logits)
+
+    eng.runner.prefill = held
+
+    async def go():
+        h = eng.submit(GenerationRequest(prompt_ids=list(p), sampling=GREEDY, max_tokens=8))
+        await asyncio.to_thread(entered.wait, 60)
+        h.cancel()
+        gate.set()
+        return await collect(h)
+
+    out = run_async(go(), timeout=300)
+    assert out.finish.finish_reason == "cancelled"
+    cc = eng.snapshot()["context_cache"]
+    assert cc["salvage"]["cancelled_prefills_salvaged"] == 1
+    (cont,) = [c for c in eng.cache.continuations if c is not None]
+    assert len(cont.session) == 96 and cont.session == tuple(p[:96])
+    s = sel(eng)
+    o = run(eng, p)
+    assert source_delta(eng, s) == "private_endpoint" and o.finish.usage.cached_tokens == len(cont.session)
+    assert o.token_ids == root(p)
+    idle(eng)
+
+
+def test_planner_degrade_to_turn_closure_matches_root(model, root):
+    tok = model[2]
+    # No Host KV and a small pool: the next conversation needs pages, and the planner drops only the
+    # first one's endpoint, keeping the turn closure its regenerate resumes from.
+    eng = engine(model, kv_capacity=7 * 64, max_context=7 * 64, max_private_continuations=4, host_kv_mib=0)
+    a = chat(tok, [{"role": "user", "content": "Tell me about cost based eviction " * 4}])
+    out = run(eng, a, max_tokens=80)  # closure near 155 (3 pages), endpoint near 239 (4 pages)
+    assert len(out.token_ids) == 80
+    b = chat(tok, [{"role": "user", "content": "Another topic that needs a few more pages of prompt " * 4}])
+    assert pages_for(len(b) + 8) == 4  # 3 pages free: one more is needed
+    run(eng, b, max_tokens=8)
+    cc = eng.snapshot()["context_cache"]["pressure"]
+    assert cc["checkpoint_dropped"] == 1 and cc["private_owner_evicted"] == 0
+    s = sel(eng)
+    o = run(eng, a, max_tokens=8)
+    assert source_delta(eng, s) == "private_turn_closure"
+    assert o.token_ids == out.token_ids[:8] == root(a)
     idle(eng)

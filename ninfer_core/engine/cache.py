@@ -23,10 +23,13 @@ are fast copies, never forwards.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ninfer_core import hookimpl
+from ninfer_core.engine.cache_host import HostPagePool
+from ninfer_core.engine.cache_planner import Extent, Item, Planner, likelihood
 from ninfer_core.engine.checkpoints import (
     KIND_SOURCE,
     SOURCES,
@@ -34,7 +37,6 @@ from ninfer_core.engine.checkpoints import (
     CheckpointHints,
     Continuation,
     Entry,
-    HostKV,
     hints_from_chat_tokens,
 )
 from ninfer_core.engine.pages import PagePool, pages_for
@@ -142,7 +144,12 @@ class ContextCache:
         self._device_free = list(range(lanes + caps.device_state_slots - 1, lanes - 1, -1))
         self.device_slots_total = caps.device_state_slots
         self.host_images = 0
-        self.host_kv_used = 0  # bytes of demoted KV pages in Host memory
+        self.page_bytes = page_size * kv_bytes_per_token
+        # Host KV tier, in pages of one Device page's bytes (spec: "physical page extents").
+        self.host_pages = HostPagePool(caps.host_kv_bytes // self.page_bytes if self.page_bytes else 0,
+                                       self.page_bytes)
+        self.spiller = None  # cache_spill.SlotSpiller with --auto-save-evicted
+        self._prefix_memo: dict[tuple[int, int], bool] = {}
         self.continuations: list[Continuation | None] = [None] * caps.max_private_continuations
         self.shared: list[Entry] = []
         self._sightings: dict[tuple[int, ...], int] = {}  # stable prefix -> times seen
@@ -150,11 +157,20 @@ class ContextCache:
             "reused_prompt_tokens": 0, "computed_prefill_tokens": 0, "checkpoints_captured": 0,
             "selections": dict.fromkeys(SOURCES, 0),
             "pressure": dict.fromkeys(("private_owner_evicted", "shared_owner_evicted",
-                                       "private_owner_degraded", "checkpoint_dropped"), 0),
+                                       "private_owner_degraded", "shared_owner_degraded",
+                                       "private_owner_demoted", "checkpoint_dropped"), 0),
+            "searches": dict.fromkeys(("started", "infeasible"), 0),
+            "captures_skipped": 0,
+            "salvage": dict.fromkeys(("published", "cancelled_prefills", "cancelled_prefills_salvaged"), 0),
             "transfer_bytes": {"state_d2h": 0, "state_h2d": 0, "main_kv_d2h": 0, "main_kv_h2d": 0},
         }
 
     # -- pools ------------------------------------------------------------------------------------
+    @property
+    def host_kv_used(self) -> int:
+        """Bytes of Host KV pages in use."""
+        return self.host_pages.bytes_used
+
     @property
     def device_slots_used(self) -> int:
         return self.device_slots_total - len(self._device_free)
@@ -182,8 +198,9 @@ class ContextCache:
             raise RuntimeError(f"checkpoint {ckpt.id} released more often than held")
         self.pages.free(ckpt.pages)
         ckpt.pages = []
-        if ckpt.host_kv is not None:
-            self._unref_host_kv(ckpt)
+        if ckpt.host_pages:
+            self.host_pages.free(ckpt.host_pages)
+            ckpt.host_pages = []
         if ckpt.device_slot is not None:
             self._device_free.append(ckpt.device_slot)
             ckpt.device_slot = None
@@ -191,44 +208,11 @@ class ContextCache:
             self.host_images -= 1
             ckpt.image = None
 
-    def _unref_host_kv(self, ckpt: Checkpoint) -> None:
-        hk, ckpt.host_kv = ckpt.host_kv, None
-        hk.refs -= 1
-        if hk.refs == 0:
-            self.host_kv_used -= hk.nbytes
-
     def _shared_pages(self, ckpt: Checkpoint | None) -> int:
         """Full pages a request resuming from `ckpt` shares instead of allocating."""
-        if ckpt is None or ckpt.host_kv is not None:
+        if ckpt is None or ckpt.host_pages:
             return 0
         return ckpt.frontier // self.page_size
-
-    def _demote_one(self, keep: Checkpoint | None) -> bool:
-        """Move the KV pages of the least recently used inactive continuation to Host memory
-        (one Host copy of its deepest checkpoint's pages serves all of its checkpoints); False when
-        none can move or the Host KV capacity cannot take it."""
-        conts = [c for c in self.continuations if c is not None and not c.busy
-                 and all(e.ckpt is not keep and e.ckpt.pins == 0 for e in c.entries)
-                 and any(e.ckpt.pages for e in c.entries)]
-        for cont in sorted(conts, key=lambda c: c.last_used):
-            movable = [e.ckpt for e in cont.entries if e.ckpt.pages]
-            deepest = max(movable, key=lambda c: c.frontier)
-            if any(tuple(c.tokens) != deepest.tokens[: c.frontier] for c in movable):
-                continue
-            nbytes = len(deepest.pages) * self.page_size * self.kv_bytes_per_token
-            if self.host_kv_used + nbytes > self.caps.host_kv_bytes:
-                continue
-            hk = HostKV(self.runner.read_pages(deepest.pages), nbytes)
-            self.host_kv_used += nbytes
-            self.counters["transfer_bytes"]["main_kv_d2h"] += nbytes
-            for c in movable:
-                self.pages.free(c.pages)
-                c.pages = []
-                c.host_kv = hk
-                hk.refs += 1
-            self.counters["pressure"]["private_owner_degraded"] += 1
-            return True
-        return False
 
     # -- admission --------------------------------------------------------------------------------
     def select(self, prompt: list[int], session_id: str | None = None
@@ -257,12 +241,8 @@ class ContextCache:
         if ckpt is None and self.disk is not None and self.disk.restore and not _opted_out(seq):
             self._restore_from_disk(seq, self._clock())
             ckpt = self.select(seq.prompt_ids, _session(seq))[0]
-        while not self.pages.can_allocate(seq.entitlement_pages - self._shared_pages(ckpt)):
-            if self._demote_one(keep=ckpt):
-                continue
-            if not self._evict_one(keep=ckpt):
-                return False
-        return True
+        need = seq.entitlement_pages - self._shared_pages(ckpt) - self.pages.num_free
+        return need <= 0 or self.free_pages(need, keep=ckpt)
 
     def admit(self, seq: Sequence, now: float) -> None:
         """Give an admitted request its pages (shared prefix + fresh) and its reuse plan."""
@@ -380,11 +360,11 @@ class ContextCache:
             else:
                 self.runner.restore_state(ckpt.image, seq.slot)
                 self.counters["transfer_bytes"]["state_h2d"] += ckpt.image.nbytes
-            if ckpt.host_kv is not None:
+            if ckpt.host_pages:
                 # Host KV: the request gets its own copy of every page of the prefix.
-                n = pages_for(ckpt.frontier, self.page_size)
-                self.runner.write_pages(seq.pages[:n], {k: v[:n] for k, v in ckpt.host_kv.tensors.items()})
-                self.counters["transfer_bytes"]["main_kv_h2d"] += n * self.page_size * self.kv_bytes_per_token
+                n = len(ckpt.host_pages)
+                self.runner.write_pages(seq.pages[:n], self.host_pages.gather(ckpt.host_pages))
+                self.counters["transfer_bytes"]["main_kv_h2d"] += n * self.page_bytes
             else:
                 tail = ckpt.frontier // self.page_size
                 if ckpt.frontier % self.page_size:
@@ -418,31 +398,40 @@ class ContextCache:
         plan.captured.append(Entry(kind, ckpt))
 
     def _capture(self, seq: Sequence, tokens: list[int], now: float) -> Checkpoint | None:
-        """A checkpoint of the lane's current state and pages (held once, by the caller)."""
-        slot = self._device_slot(now)
+        """A checkpoint of the lane's current state and pages (held once, by the caller).
+
+        When its StateImage needs room, what the room costs the retained checkpoints is weighed
+        against what the capture saves (the tokens above the deepest retained prefix of it); a
+        capture worth less is skipped (`captures_skipped`)."""
+        base = self.select(list(tokens) + [-1])[0]
+        value = float(len(tokens) - (base.frontier if base is not None else 0))
+        slot = self._device_slot(now, value)
         ckpt = Checkpoint(tuple(tokens), [], last_used=now)
         if slot is not None:
             self.runner.copy_slot(seq.slot, slot)
             ckpt.device_slot = slot
-        elif self._host_room(now):
+        elif self._host_room(now, limit=value):
             ckpt.image = self.runner.capture_state(seq.slot)
             self.host_images += 1
             self.counters["transfer_bytes"]["state_d2h"] += ckpt.image.nbytes
         else:
+            self.counters["captures_skipped"] += 1
             return None
         ckpt.pages = self.pages.share(seq.pages[: pages_for(ckpt.frontier, self.page_size)])
         ckpt.refs = 1
         self.counters["checkpoints_captured"] += 1
         return ckpt
 
-    def _device_slot(self, now: float) -> int | None:
-        """A free Device state slot, demoting the least recently used inactive image to Host."""
+    def _device_slot(self, now: float, limit: float = float("inf")) -> int | None:
+        """A free Device state slot, demoting the inactive image least likely to be resumed (every
+        image costs the same copy back) to Host."""
         if self._device_free:
             return self._device_free.pop()
         victims = sorted({id(e.ckpt): e.ckpt for _, e in self._all_entries()
-                          if e.ckpt.device_slot is not None}.values(), key=lambda c: c.last_used)
+                          if e.ckpt.device_slot is not None and e.ckpt.pins == 0}.values(),
+                         key=lambda c: likelihood(c.last_used, now))
         for c in victims:
-            if self._host_room(now, keep=c):
+            if self._host_room(now, keep=c, limit=limit):
                 c.image = self.runner.capture_state(c.device_slot)
                 self.host_images += 1
                 self.counters["transfer_bytes"]["state_d2h"] += c.image.nbytes
@@ -451,11 +440,15 @@ class ContextCache:
                 return slot
         return None
 
-    def _host_room(self, now: float, keep: Checkpoint | None = None) -> bool:
-        while self.host_images >= self.caps.host_state_slots:
-            if not self._evict_one(keep=keep, host_only=True):
-                return False
-        return True
+    def _host_room(self, now: float, keep: Checkpoint | None = None, limit: float = float("inf")) -> bool:
+        """A free Host StateImage slot, dropping the Host images cheapest to rebuild when full."""
+        if self.host_images < self.caps.host_state_slots:
+            return True
+        if self.caps.host_state_slots == 0:
+            return False
+        self._relieve(need_host_images=self.host_images - self.caps.host_state_slots + 1, keep=keep,
+                      limit=limit)
+        return self.host_images < self.caps.host_state_slots
 
     def _publish_shared(self, ckpt: Checkpoint) -> None:
         if self.caps.max_shared_prefixes <= 0:
@@ -480,6 +473,33 @@ class ContextCache:
             if completed and plan.materialized and self.caps.max_private_continuations > 0 \
                     and not _opted_out(seq):
                 result = self._publish(seq, plan, now)
+        finally:
+            self.release(seq)
+        return result
+
+    def on_cancel(self, seq: Sequence, now: float) -> Continuation | None:
+        """Salvage a cancelled (or disconnected) request: its live state is published as a
+        continuation endpoint at its last committed frontier, so a retry resumes there instead of
+        prefilling again; a prefill cancelled before computing anything past its reuse frontier
+        publishes nothing. Then every hold is released, as for any ended request."""
+        plan: ReusePlan | None = getattr(seq, "cache_plan", None)
+        if plan is None:
+            return None
+        result = None
+        salvage = self.counters["salvage"]
+        prefill = getattr(getattr(seq, "status", None), "name", "") == "PREFILL"
+        try:
+            if prefill and plan.materialized:
+                salvage["cancelled_prefills"] += 1
+            if plan.materialized and self.caps.max_private_continuations > 0 and not _opted_out(seq) \
+                    and seq.num_cached > plan.frontier:
+                result = self._publish(seq, plan, now)
+                if result is not None:
+                    salvage["published"] += 1
+                    if prefill:
+                        salvage["cancelled_prefills_salvaged"] += 1
+                    log.info("context cache: cancelled request %s kept at %d tokens (slot %d)",
+                             seq.request_id, seq.num_cached, result.slot)
         finally:
             self.release(seq)
         return result
@@ -518,8 +538,11 @@ class ContextCache:
             self._release_continuation(old)
         else:
             idx = self._free_cell()
-        session = tuple(seq.prompt_ids + seq.output_ids)
+        # A prefill cancelled mid-prompt (salvage) retains only what it executed.
+        session = tuple(seq.prompt_ids + seq.output_ids) if seq.output_ids else tuple(executed)
         cont = Continuation(idx, session, entries, last_used=now, session_id=_session(seq))
+        if replace:  # continuing the conversation keeps its slot-file binding (--auto-save-evicted)
+            cont.filename, cont.file_depth = old.filename, old.file_depth
         self.continuations[idx] = cont
         return cont
 
@@ -529,32 +552,50 @@ class ContextCache:
                 return i
         victims = [c for c in self.continuations if c is not None and not c.busy] or \
             [c for c in self.continuations if c is not None]
-        victim = min(victims, key=lambda c: c.last_used)
+        victim = self._cheapest_owner(victims)
         self.counters["pressure"]["private_owner_evicted"] += 1
         self._spill(victim)
         self._release_continuation(victim)
         return victim.slot
 
-    def _spill(self, cont: Continuation) -> None:
-        """Write an evicted continuation to the disk tier (if any) before its memory goes."""
-        if self.disk is None:
-            return
-        from ninfer_core.engine.cache_slots import snapshot_continuation
+    def _cheapest_owner(self, conts: list[Continuation]) -> Continuation:
+        """The continuation whose eviction costs the least to rebuild (ties: least recently used)."""
+        if len(conts) == 1:
+            return conts[0]
+        now = self._clock()
+        view = self._pressure_view(None, now)
+        planner = Planner(view[0], view[1])
 
-        try:
-            image = snapshot_continuation(self, cont, self.disk.compat)
-        except Exception:
-            log.exception("disk tier: reading an evicted continuation failed")
-            return
-        self.disk.write(image, cont.last_used)
+        def cost(c: Continuation) -> float:
+            keys = frozenset(e.ckpt.id for e in c.entries if e.ckpt.id in planner.items)
+            return planner.cost(keys, frozenset())
+
+        return min(conts, key=lambda c: (cost(c), c.last_used))
+
+    def _spill(self, cont: Continuation) -> None:
+        """Before an involuntary eviction releases a continuation: write it to the disk tier, and
+        (--auto-save-evicted) back to the slot file it is bound to."""
+        if self.disk is not None:
+            try:
+                self.disk.write_continuation(self, cont)
+            except Exception:
+                log.exception("disk tier: writing an evicted continuation failed")
+        if self.spiller is not None and cont.filename:
+            self.spiller.spill(self, cont)
 
     def on_shutdown(self) -> None:
-        """Write every resident continuation to the disk tier (no forward runs any more)."""
-        if self.disk is None:
-            return
-        for c in list(self.continuations):
-            if c is not None:
-                self._spill(c)
+        """Write every resident continuation to the disk tier (no forward runs any more) and wait
+        for the writers: the disk tier at most 60 s, pending slot-file spills likewise."""
+        if self.disk is not None:
+            for c in list(self.continuations):
+                if c is not None:
+                    try:
+                        self.disk.write_continuation(self, c)
+                    except Exception:
+                        log.exception("disk tier: writing a resident continuation failed")
+            self.disk.close(timeout=60)
+        if self.spiller is not None:
+            self.spiller.close(timeout=60)
 
     def _restore_from_disk(self, seq: Sequence, now: float) -> None:
         """--disk-kv-restore: a request with no resident prefix seeds it from the disk tier."""
@@ -595,31 +636,122 @@ class ContextCache:
         plan.captured, plan.inherited, plan.ckpt = [], [], None
 
     # -- pressure -----------------------------------------------------------------------------------
-    def _evict_one(self, keep: Checkpoint | None = None, host_only: bool = False) -> bool:
-        """Evict the least recently used inactive owner (a continuation, else a shared prefix) that
-        does not hold `keep`; True when something was released."""
-        def holds(entries):
-            return keep is not None and any(e.ckpt is keep for e in entries)
+    def free_pages(self, need: int, keep: Checkpoint | None = None) -> bool:
+        """Free `need` more Device pages by demoting or evicting inactive checkpoints, the plan that
+        costs the retained work least (cache_planner); False when no plan frees enough."""
+        target = self.pages.num_free + need
+        if need > 0:
+            self._relieve(need_pages=need, keep=keep)
+        return self.pages.num_free >= target
 
-        def host(entries):
-            return not host_only or any(e.ckpt.image is not None for e in entries)
+    def _relieve(self, need_pages: int = 0, need_host_images: int = 0, keep: Checkpoint | None = None,
+                 limit: float = float("inf")) -> bool:
+        now = self._clock()
+        items, extents, entries, ckpts = self._pressure_view(keep, now)
+        self.counters["searches"]["started"] += 1
+        plan = Planner(items, extents, self.host_pages.num_free).plan(need_pages, need_host_images, limit)
+        if plan is None:
+            self.counters["searches"]["infeasible"] += 1
+            return False
+        log.debug("context cache: pressure plan drops %d and demotes %d checkpoints (cost %.0f tokens)",
+                  len(plan.drop), len(plan.demote), plan.cost)
+        self._apply(plan, entries, ckpts)
+        return True
 
-        conts = [c for c in self.continuations
-                 if c is not None and not c.busy and not holds(c.entries) and host(c.entries)]
-        if conts:
-            victim = min(conts, key=lambda c: c.last_used)
-            self.counters["pressure"]["private_owner_evicted"] += 1
-            self._spill(victim)
-            self._release_continuation(victim)
-            return True
-        shared = [e for e in self.shared if e.ckpt is not keep and host([e])]
-        if shared:
-            victim = min(shared, key=lambda e: e.ckpt.last_used)
-            self.shared.remove(victim)
+    def _is_prefix(self, p: Checkpoint, c: Checkpoint) -> bool:
+        """True when p's tokens are a prefix of c's (memoised: checkpoints never change tokens)."""
+        if p.frontier > c.frontier:
+            return False
+        key = (p.id, c.id)
+        hit = self._prefix_memo.get(key)
+        if hit is None:
+            if len(self._prefix_memo) > 200_000:
+                self._prefix_memo.clear()
+            hit = self._prefix_memo[key] = c.tokens[: p.frontier] == p.tokens
+        return hit
+
+    def _pressure_view(self, keep: Checkpoint | None, now: float):
+        """The catalog as the planner sees it: one Item per checkpoint only catalog entries hold
+        (not a running request's, not one a request is about to materialize, not `keep`), and the
+        Device and Host page extents they hold."""
+        entries: dict[int, list] = {}
+        ckpts: dict[int, Checkpoint] = {}
+        owner_key: dict[int, Any] = {}
+        for owner, e in self._all_entries():
+            entries.setdefault(e.ckpt.id, []).append((owner, e))
+            ckpts[e.ckpt.id] = e.ckpt
+            owner_key.setdefault(e.ckpt.id, ("private", owner.slot) if owner is not None else ("shared", e.ckpt.id))
+        victims = {k: c for k, c in ckpts.items()
+                   if c.refs == len(entries[k]) and c.pins == 0 and c is not keep}
+        others = [c for c in ckpts.values() if c.id not in victims] + ([keep] if keep is not None else [])
+        items = []
+        for k, c in victims.items():
+            parents = tuple((p.id, p.frontier) for p in victims.values() if p is not c and self._is_prefix(p, c))
+            floor = max((p.frontier for p in others if self._is_prefix(p, c)), default=0)
+            items.append(Item(k, c.frontier, likelihood(c.last_used, now), parents, floor, bool(c.pages),
+                              c.image is not None, owner_key[k]))
+        dev: dict[int, set] = {}
+        host: dict[int, set] = {}
+        for k, c in victims.items():
+            for p in c.pages:
+                dev.setdefault(p, set()).add(k)
+            for p in c.host_pages:
+                host.setdefault(p, set()).add(k)
+        counts: dict[tuple, int] = {}
+        for pages, pool, is_host in ((dev, self.pages, False), (host, self.host_pages, True)):
+            for p, holders in pages.items():
+                key = (frozenset(holders), is_host, pool.refcount(p) > len(holders))
+                counts[key] = counts.get(key, 0) + 1
+        extents = [Extent(h, n, is_host, pinned) for (h, is_host, pinned), n in counts.items()]
+        return items, extents, entries, ckpts
+
+    def _apply(self, plan, entries: dict[int, list], ckpts: dict[int, Checkpoint]) -> None:
+        """Carry out a pressure plan: Host copies of the demoted checkpoints' pages (a page shared by
+        several of them is copied once), then the drops (a continuation that loses every checkpoint
+        is evicted, written to the disk tier and its bound slot file first)."""
+        touched: dict[Any, str] = {}
+        demote = [ckpts[k] for k in plan.demote]
+        if demote:
+            distinct = list(dict.fromkeys(p for c in demote for p in c.pages))
+            hids = self.host_pages.store(self.runner.read_pages(distinct))
+            where = dict(zip(distinct, hids))
+            for c in demote:
+                c.host_pages = self.host_pages.share([where[p] for p in c.pages])
+                self.pages.free(c.pages)
+                c.pages = []
+                for owner, _ in entries[c.id]:
+                    touched[id(owner) if owner is not None else ("shared", c.id)] = \
+                        "private_demoted" if owner is not None else "shared_degraded"
+            self.host_pages.free(hids)
+            self.counters["transfer_bytes"]["main_kv_d2h"] += len(distinct) * self.page_bytes
+        dropped = set(plan.drop)
+        for c in [c for c in self.continuations if c is not None]:
+            gone = [e for e in c.entries if e.ckpt.id in dropped]
+            if not gone:
+                continue
+            if len(gone) == len(c.entries):
+                self.counters["pressure"]["private_owner_evicted"] += 1
+                touched.pop(id(c), None)
+                self._spill(c)
+                self._release_continuation(c)
+                continue
+            touched[id(c)] = "private_degraded"
+            for e in gone:
+                c.entries.remove(e)
+                self._drop(e.ckpt)
+                self.counters["pressure"]["checkpoint_dropped"] += 1
+        for e in [e for e in self.shared if e.ckpt.id in dropped]:
+            self.shared.remove(e)
             self.counters["pressure"]["shared_owner_evicted"] += 1
-            self._drop(victim.ckpt)
-            return True
-        return False
+            self._drop(e.ckpt)
+            touched.pop(("shared", e.ckpt.id), None)
+        for what in touched.values():
+            if what == "shared_degraded":
+                self.counters["pressure"]["shared_owner_degraded"] += 1
+            else:
+                self.counters["pressure"]["private_owner_degraded"] += 1
+                if what == "private_demoted":
+                    self.counters["pressure"]["private_owner_demoted"] += 1
 
     def clear(self) -> None:
         """Release every retained owner (nothing active may hold a checkpoint then)."""
@@ -650,16 +782,19 @@ class ContextCache:
         for key, c in ckpts.items():
             assert c.refs == refs[key], f"checkpoint {c.id}: refs {c.refs}, holders {refs[key]}"
         holders: dict[int, int] = {}
-        host_kv = {}
+        host_holders: dict[int, int] = {}
         for c in ckpts.values():
-            if c.host_kv is not None:
+            n = pages_for(c.frontier, self.page_size)
+            if c.host_pages:
                 assert not c.pages, f"checkpoint {c.id} holds pages and Host KV"
-                assert next(iter(c.host_kv.tensors.values())).shape[0] >= pages_for(c.frontier, self.page_size)
-                host_kv.setdefault(id(c.host_kv), [c.host_kv, 0])[1] += 1
+                assert len(c.host_pages) == n, f"checkpoint {c.id} Host pages"
+                for p in c.host_pages:
+                    host_holders[p] = host_holders.get(p, 0) + 1
             else:
-                assert len(c.pages) == pages_for(c.frontier, self.page_size), f"checkpoint {c.id} pages"
-        assert all(hk.refs == n for hk, n in host_kv.values()), "Host KV references"
-        assert sum(hk.nbytes for hk, _ in host_kv.values()) == self.host_kv_used, "Host KV bytes"
+                assert len(c.pages) == n, f"checkpoint {c.id} pages"
+        assert self.host_pages.num_used == len(host_holders), "Host KV pages in use differ from holders"
+        for p, n in host_holders.items():
+            assert self.host_pages.refcount(p) == n, f"Host page {p}: refcount {self.host_pages.refcount(p)}, holders {n}"
         assert self.host_kv_used <= self.caps.host_kv_bytes
         for c in ckpts.values():
             for p in c.pages:
@@ -685,6 +820,8 @@ class ContextCache:
             "host_state_slots_used": self.host_images,
             "host_kv_bytes": self.caps.host_kv_bytes,
             "host_kv_bytes_used": self.host_kv_used,
+            "host_kv_pages": self.host_pages.capacity,
+            "host_kv_pages_used": self.host_pages.num_used,
             "state_image_bytes": self.state_bytes,
             "private_continuations": sum(c is not None for c in self.continuations),
             "max_private_continuations": self.caps.max_private_continuations,
@@ -696,7 +833,11 @@ class ContextCache:
             "selections": dict(self.counters["selections"]),
             "pressure": dict(self.counters["pressure"]),
             "transfer_bytes": dict(self.counters["transfer_bytes"]),
+            "searches": dict(self.counters["searches"]),
+            "captures_skipped": self.counters["captures_skipped"],
+            "salvage": dict(self.counters["salvage"]),
             "disk": self.disk.snapshot() if self.disk is not None else None,
+            "auto_save": self.spiller.snapshot() if self.spiller is not None else None,
         }
 
     def slots_report(self, n_ctx: int, active: list[Sequence]) -> list[dict]:
@@ -746,6 +887,12 @@ def build_context_cache(runner, pages: PagePool, options, state_bytes: int, page
                   "state_bytes": spec.state_bytes, "model": getattr(options, "disk_kv_model", "")}
         cache.disk = DiskTier(disk_path, int(getattr(options, "disk_kv_gib", 64) * 2**30), compat,
                               bool(getattr(options, "disk_kv_restore", False)))
+    slot_dir = getattr(options, "slot_save_path", None)
+    if slot_dir and getattr(options, "auto_save_evicted", False):
+        from ninfer_core.engine.cache_spill import SlotSpiller
+
+        os.makedirs(slot_dir, exist_ok=True)
+        cache.spiller = SlotSpiller(slot_dir)
     return cache
 
 

@@ -45,6 +45,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not keep a resumed endpoint as a long anchor")
     g.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="enable POST /slots/{id} save/restore/erase with files in DIR")
+    g.add_argument("--auto-save-evicted", action="store_true",
+                   help="write an evicted session back to its bound slot file; requires --slot-save-path")
     g.add_argument("--disk-kv-path", default=None, metavar="DIR",
                    help="disk tier: evicted conversations are written to DIR")
     g.add_argument("--disk-kv-gib", type=float, default=64, help="disk tier budget in GiB")
@@ -58,10 +60,12 @@ def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
         given = ["--" + f.replace("_", "-") for f in CAPACITY_FLAGS if getattr(a, f, None) is not None]
         if given:
             raise ValueError(f"--no-prefix-reuse cannot be combined with {', '.join(given)}")
-        for flag in ("slot_save_path", "disk_kv_path"):
+        for flag in ("slot_save_path", "auto_save_evicted", "disk_kv_path"):
             if getattr(a, flag, None):
                 raise ValueError(f"--{flag.replace('_', '-')} needs the checkpoint catalog: it is refused "
                                  "with --no-prefix-reuse")
+    if getattr(a, "auto_save_evicted", False) and not getattr(a, "slot_save_path", None):
+        raise ValueError("--auto-save-evicted needs --slot-save-path")
     if getattr(a, "disk_kv_restore", False) and not getattr(a, "disk_kv_path", None):
         raise ValueError("--disk-kv-restore needs --disk-kv-path")
     if getattr(a, "disk_kv_gib", 64) <= 0:
@@ -77,6 +81,7 @@ def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
     eng.branch_anchors = bool(getattr(a, "branch_anchors", False))
     eng.endpoint_anchors = not getattr(a, "no_endpoint_anchors", False)
     eng.slot_save_path = getattr(a, "slot_save_path", None)
+    eng.auto_save_evicted = bool(getattr(a, "auto_save_evicted", False))
     eng.disk_kv_path = getattr(a, "disk_kv_path", None)
     eng.disk_kv_gib = float(getattr(a, "disk_kv_gib", 64))
     eng.disk_kv_restore = bool(getattr(a, "disk_kv_restore", False))

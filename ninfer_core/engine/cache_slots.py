@@ -77,9 +77,8 @@ def collect(cache, slot: int, if_digest: str | None, compat: dict) -> SlotImage:
 def snapshot_continuation(cache, cont: Continuation, compat: dict) -> SlotImage:
     """A continuation's KV pages and StateImages as Host copies (slot files, the disk tier)."""
     deepest = cont.deepest()
-    if deepest.host_kv is not None:  # demoted to Host: the copy already is what a file holds
-        n = pages_for(deepest.frontier, cache.page_size)
-        kv = {k: v[:n] for k, v in deepest.host_kv.tensors.items()}
+    if deepest.host_pages:  # demoted to Host: the copy already is what a file holds
+        kv = cache.host_pages.gather(deepest.host_pages)
     else:
         kv = cache.runner.read_pages(deepest.pages)
     ckpts = []
@@ -96,8 +95,29 @@ def erase(cache, slot: int, if_digest: str | None) -> int:
         return 0
     _check_digest(cont, if_digest)
     n = len(cont.session)
+    if cont.filename and cache.spiller is not None:  # an explicit erase never writes
+        cache.spiller.supersede(cont.filename)
     cache._release_continuation(cont)
     return n
+
+
+def bind_file(cache, slot: int, filename: str, depth: int, compat: dict) -> None:
+    """After an explicit save: the slot's session is bound to the file (--auto-save-evicted spills
+    it back there), at the depth the file now holds; waiting spills of the file are superseded.
+    Call under the engine lock."""
+    cont = cache.continuations[slot] if 0 <= slot < len(cache.continuations) else None
+    if cont is not None:
+        cont.filename, cont.file_depth = filename, depth
+    if cache.spiller is not None:
+        cache.spiller.compat = dict(compat)
+        cache.spiller.supersede(filename)
+
+
+def flush_spills(cache, filename: str, compat: dict) -> None:
+    """Before a restore reads `filename`: write its waiting spills first (host thread)."""
+    if cache.spiller is not None:
+        cache.spiller.compat = dict(compat)
+        cache.spiller.flush_file(filename)
 
 
 def clear_slot(cache, slot: int) -> None:
@@ -114,9 +134,8 @@ def install(cache, slot: int, image: SlotImage, filename: str, now: float) -> Co
     n_pages = pages_for(deepest, cache.page_size)
     if any(t.shape[0] != n_pages for t in image.kv.values()):
         raise slot_error("slot_restore_failed", "the slot file's KV pages do not cover its checkpoints")
-    while not cache.pages.can_allocate(n_pages):
-        if not cache._evict_one():
-            raise slot_error("slot_restore_failed", f"the KV pool has no room for {n_pages} pages", status=400)
+    if not cache.pages.can_allocate(n_pages) and not cache.free_pages(n_pages - cache.pages.num_free):
+        raise slot_error("slot_restore_failed", f"the KV pool has no room for {n_pages} pages", status=400)
     pages = cache.pages.allocate(n_pages)
     made: list[Checkpoint] = []
     try:
@@ -147,7 +166,8 @@ def install(cache, slot: int, image: SlotImage, filename: str, now: float) -> Co
         raise slot_error("slot_restore_failed", f"the slot file does not fit this model: {exc}") from None
     cache.pages.free(pages)  # the checkpoints hold their own references now
     entries = [Entry(c["kind"], ckpt) for c, ckpt in zip(image.checkpoints, made)]
-    cont = Continuation(slot, tuple(image.session), entries, last_used=now, filename=filename)
+    cont = Continuation(slot, tuple(image.session), entries, last_used=now, filename=filename,
+                        file_depth=len(image.session) if filename else 0)
     cache.continuations[slot] = cont
     return cont
 

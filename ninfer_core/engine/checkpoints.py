@@ -48,12 +48,18 @@ class Checkpoint:
     refs: int = 0
     last_used: float = 0.0
     id: int = field(default_factory=lambda: next(_ids))
-    host_kv: HostKV | None = None  # demoted: its KV pages live in Host memory, `pages` is empty
+    # Demoted: Host KV pages (cache_host.HostPagePool ids) covering [0, frontier), `pages` empty.
+    host_pages: list[int] = field(default_factory=list)
     pins: int = 0  # running requests that will copy from it (never demoted meanwhile)
 
     @property
     def frontier(self) -> int:
         return len(self.tokens)
+
+    @property
+    def host_kv(self) -> list[int] | None:
+        """The Host KV pages when its KV was demoted to Host memory, else None."""
+        return self.host_pages or None
 
     @property
     def tier(self) -> str:
@@ -67,16 +73,6 @@ class Checkpoint:
         """True when the prompt starts with this checkpoint's tokens and runs past them."""
         f = len(self.tokens)
         return f < len(prompt) and tuple(prompt[:f]) == self.tokens
-
-
-@dataclass(eq=False)
-class HostKV:
-    """Host copies of KV pages ({name: tensor [pages, ...]}), shared by the checkpoints of one
-    demoted continuation: each uses the first pages_for(frontier) of them."""
-
-    tensors: dict
-    nbytes: int
-    refs: int = 0
 
 
 @dataclass(eq=False)
@@ -97,6 +93,7 @@ class Continuation:
     last_used: float = 0.0
     busy: int = 0  # active requests that resumed from it (is_processing)
     filename: str | None = None  # bound slot file (last save/restore)
+    file_depth: int = 0  # session tokens the bound file held at its last save or restore
     session_id: str | None = None  # the Responses chain it belongs to (its replay checkpoint's key)
 
     @cached_property

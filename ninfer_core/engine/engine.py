@@ -289,6 +289,11 @@ class Engine:
                     elif seq.status is SeqStatus.PREFILL:
                         self.counters["cancelled_prefills"] += 1
                         self.counters["cancelled_prefill_computed_tokens"] += max(0, seq.num_cached - seq.cache_n)
+                    if self.cache is not None and seq.status in (SeqStatus.PREFILL, SeqStatus.DECODE):
+                        try:  # salvage: the retry resumes where the cancelled request got to
+                            seq.retained = self.cache.on_cancel(seq, now)
+                        except Exception:  # a failed salvage only loses the cache
+                            log.exception("context cache: salvaging request %s failed", seq.request_id)
                     self._end_locked(seq, "requests_cancelled")
                     ended.append((seq, self._finish_event(seq, "cancelled", None)))
             self._cancelled.clear()

@@ -96,15 +96,15 @@ class Slots:
                         await anyio.to_thread.run_sync(cache_slots.write_atomic, directory, name, data)
                     except OSError as e:
                         raise EngineError(400, "slot_save_failed", f"writing {name} failed: {e.strerror}") from None
-                    with eng._cv:
-                        cont = cache.continuations[slot]
-                        if cont is not None:
-                            cont.filename = name
+                    with eng._cv:  # the session is bound to the file (--auto-save-evicted)
+                        cache_slots.bind_file(cache, slot, name, len(image.session), compat)
                     log.info("slot %d saved to %s (%d tokens, %d bytes)", slot, name, len(image.session), len(data))
                     return {"id_slot": slot, "filename": name, "n_saved": len(image.session),
                             "n_written": len(data), "session_digest": cache_slots.digest_of(image),
                             "timings": {"save_ms": (time.monotonic() - t0) * 1000.0}}
                 try:
+                    # Waiting auto-save spills of this file are written first: restore reads the newest.
+                    await anyio.to_thread.run_sync(cache_slots.flush_spills, cache, name, compat)
                     data = await anyio.to_thread.run_sync(_read, path)
                     image = await anyio.to_thread.run_sync(cache_slots.decode, data, compat)
                     cont = await _worker(eng, lambda: cache_slots.install(cache, slot, image, name,
