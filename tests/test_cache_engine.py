@@ -469,3 +469,21 @@ def test_a_prefill_cancelled_before_computing_anything_new_publishes_nothing():
     assert cc["salvage"]["cancelled_prefills"] == 1
     assert cc["private_continuations"] == cc["salvage"]["cancelled_prefills_salvaged"]
     audit(eng)
+
+
+def test_a_capture_worth_less_than_the_room_it_needs_is_skipped():
+    rng = random.Random(19)
+    # One StateImage in all (no Device checkpoint slot, one Host slot): a long conversation holds it.
+    eng = engine(device_state_slots=0, host_state_slots=1, max_private_continuations=4)
+    a = toks(rng, 900)
+    out_a = run(eng, a)
+    # A short request's marker anchor (50 tokens) and endpoint (~65) would cost A's 905-token state:
+    # skipped, where LRU evicted A.
+    run(eng, toks(rng, 60), hints=CheckpointHints(markers=[50]))
+    cc = eng.snapshot()["context_cache"]
+    assert cc["captures_skipped"] == 2 and cc["pressure"]["private_owner_evicted"] == 0
+    sel = selections(eng)
+    nxt = a + out_a.token_ids + toks(rng, 4)
+    o = run(eng, nxt)
+    assert source_of(eng, sel) == "private_endpoint" and o.token_ids == root_output(nxt)
+    audit(eng)

@@ -403,8 +403,10 @@ class ContextCache:
         When its StateImage needs room, what the room costs the retained checkpoints is weighed
         against what the capture saves (the tokens above the deepest retained prefix of it); a
         capture worth less is skipped (`captures_skipped`)."""
-        base = self.select(list(tokens) + [-1])[0]
-        value = float(len(tokens) - (base.frontier if base is not None else 0))
+        value = float("inf")
+        if not self._device_free and self.host_images >= self.caps.host_state_slots:
+            base = self.select(list(tokens) + [-1])[0]  # only when room must be made: O(catalog)
+            value = float(len(tokens) - (base.frontier if base is not None else 0))
         slot = self._device_slot(now, value)
         ckpt = Checkpoint(tuple(tokens), [], last_used=now)
         if slot is not None:
@@ -520,9 +522,10 @@ class ContextCache:
             return None
         # Inventory per continuation: endpoint + turn closure + long anchors (deepest kept). The
         # endpoint, this request's turn closure (under preserve_thinking false the one a closed tool
-        # loop resumes from) and the session's latest replay checkpoint are kept first.
+        # loop resumes from) and the session's latest replay checkpoint are kept first; a replay
+        # checkpoint takes a long anchor's place, so the Host state inventory stays as sized.
         keep = _protected(seq, entries)
-        limit = 2 + self.caps.max_long_anchors + (1 if any(e.kind == "response_replay" for e in keep) else 0)
+        limit = 2 + self.caps.max_long_anchors
         entries.sort(key=lambda e: (e not in keep, -e.ckpt.frontier))
         for e in entries[limit:]:
             self._drop(e.ckpt)
