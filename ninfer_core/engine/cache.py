@@ -709,24 +709,10 @@ class ContextCache:
         return items, extents, entries, ckpts
 
     def _apply(self, plan, entries: dict[int, list], ckpts: dict[int, Checkpoint]) -> None:
-        """Carry out a pressure plan: Host copies of the demoted checkpoints' pages (a page shared by
-        several of them is copied once), then the drops (a continuation that loses every checkpoint
-        is evicted, written to the disk tier and its bound slot file first)."""
+        """Carry out a pressure plan: the drops (a continuation that loses every checkpoint is evicted,
+        written to the disk tier and its bound slot file first), then Host copies of the demoted
+        checkpoints' pages (a page shared by several of them is copied once)."""
         touched: dict[Any, str] = {}
-        demote = [ckpts[k] for k in plan.demote]
-        if demote:
-            distinct = list(dict.fromkeys(p for c in demote for p in c.pages))
-            hids = self.host_pages.store(self.runner.read_pages(distinct))
-            where = dict(zip(distinct, hids))
-            for c in demote:
-                c.host_pages = self.host_pages.share([where[p] for p in c.pages])
-                self.pages.free(c.pages)
-                c.pages = []
-                for owner, _ in entries[c.id]:
-                    touched[id(owner) if owner is not None else ("shared", c.id)] = \
-                        "private_demoted" if owner is not None else "shared_degraded"
-            self.host_pages.free(hids)
-            self.counters["transfer_bytes"]["main_kv_d2h"] += len(distinct) * self.page_bytes
         dropped = set(plan.drop)
         for c in [c for c in self.continuations if c is not None]:
             gone = [e for e in c.entries if e.ckpt.id in dropped]
@@ -748,6 +734,21 @@ class ContextCache:
             self.counters["pressure"]["shared_owner_evicted"] += 1
             self._drop(e.ckpt)
             touched.pop(("shared", e.ckpt.id), None)
+        # Demotions after the drops: Host pages the drops free may be what the copies need.
+        demote = [ckpts[k] for k in plan.demote]
+        if demote:
+            distinct = list(dict.fromkeys(p for c in demote for p in c.pages))
+            hids = self.host_pages.store(self.runner.read_pages(distinct))
+            where = dict(zip(distinct, hids))
+            for c in demote:
+                c.host_pages = self.host_pages.share([where[p] for p in c.pages])
+                self.pages.free(c.pages)
+                c.pages = []
+                for owner, _ in entries[c.id]:
+                    touched[id(owner) if owner is not None else ("shared", c.id)] = \
+                        "private_demoted" if owner is not None else "shared_degraded"
+            self.host_pages.free(hids)
+            self.counters["transfer_bytes"]["main_kv_d2h"] += len(distinct) * self.page_bytes
         for what in touched.values():
             if what == "shared_degraded":
                 self.counters["pressure"]["shared_owner_degraded"] += 1

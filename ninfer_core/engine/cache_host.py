@@ -17,7 +17,7 @@ import torch
 
 class HostPagePool:
     def __init__(self, capacity_pages: int, page_bytes: int):
-        self.capacity = max(0, capacity_pages)
+        self.capacity = max(0, int(capacity_pages))
         self.page_bytes = page_bytes
         self._data: dict[int, dict[str, Any]] = {}  # host page -> {tensor name: [1, ...]}
         self._refs: dict[int, int] = {}
