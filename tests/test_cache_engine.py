@@ -487,3 +487,34 @@ def test_a_capture_worth_less_than_the_room_it_needs_is_skipped():
     o = run(eng, nxt)
     assert source_of(eng, sel) == "private_endpoint" and o.token_ids == root_output(nxt)
     audit(eng)
+
+
+def test_a_full_host_tier_drops_its_stale_resident_to_take_a_demotion():
+    rng = random.Random(20)
+    # 12 Device pages, Host KV of 5 pages (one conversation). A is demoted to Host first; once A has
+    # gone unused for an hour, the next demotion drops A from Host instead of evicting a fresh one.
+    page_bytes = 64 * ToyRunner().cache_spec().kv_bytes_per_token
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8,
+                 host_kv_mib=5 * page_bytes / 2**20)
+    convs = [toks(rng, 260) for _ in range(4)]
+    outs = [run(eng, p, max_tokens=6, hints=CheckpointHints(turn_closure=250)) for p in convs[:3]]
+    cc = eng.snapshot()["context_cache"]
+    assert cc["host_kv_pages"] == 5 and cc["host_kv_pages_used"] == 5
+    with eng._cv:
+        (a,) = [c for c in eng.cache.continuations if c is not None and c.entries[0].ckpt.host_pages]
+        assert a.session[:260] == tuple(convs[0])
+        for e in a.entries:
+            e.ckpt.last_used -= 3600
+    run(eng, convs[3], max_tokens=6, hints=CheckpointHints(turn_closure=250))
+    cc = eng.snapshot()["context_cache"]
+    assert cc["pressure"]["private_owner_evicted"] == 1 and cc["host_kv_pages_used"] == 5
+    assert a not in eng.cache.continuations
+    host = [c for c in eng.cache.continuations if c is not None and c.entries[0].ckpt.host_pages]
+    assert len(host) == 1 and host[0].session[:260] in (tuple(convs[1]), tuple(convs[2]))
+    # The conversation now on Host resumes exactly.
+    i = 1 if host[0].session[:260] == tuple(convs[1]) else 2
+    nxt = convs[i] + outs[i].token_ids + toks(rng, 5)
+    sel = selections(eng)
+    o = run(eng, nxt, max_tokens=6)
+    assert source_of(eng, sel) == "private_endpoint" and o.token_ids == root_output(nxt, 6)
+    audit(eng)
