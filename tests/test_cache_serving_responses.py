@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from test_cache_serving_metrics import parse
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,18 +55,17 @@ def test_sibling_replays_the_stored_response_from_its_replay_checkpoint(start_se
     first = {"instructions": instructions, "input": "What does a context cache keep between turns?"}
 
     a = create(cache.base_url, **first)
-    b1 = create(cache.base_url, previous_response_id=a["id"], instructions=instructions,
-                input="Name one cost of it.")
+    create(cache.base_url, previous_response_id=a["id"], instructions=instructions, input="Name one cost of it.")
     before = selections(cache.base_url)
-    # A sibling of b1: the same stored history, other new input. b1 captured the replay checkpoint at the
-    # end of a's replayed output; the sibling resumes there.
+    # A sibling of that child: the same stored history, other new input. The child captured the
+    # replay checkpoint at the end of a's replayed output; the sibling resumes there.
     b2 = create(cache.base_url, previous_response_id=a["id"], instructions=instructions,
                 input="Name one benefit of it.")
     after = selections(cache.base_url)
     assert after["private_response_replay"] == before["private_response_replay"] + 1
     assert sum(after.values()) == sum(before.values()) + 1
     assert 0 < cached(b2) < b2["usage"]["input_tokens"]
-    assert "source=private_response_replay cache=%d" % cached(b2) in cache.log()
+    assert f"source=private_response_replay cache={cached(b2)}" in cache.log()
     # A store:false probe of the same chain reads the session's replay checkpoint too.
     b3 = create(cache.base_url, previous_response_id=a["id"], instructions=instructions,
                 input="Name one benefit of it.", store=False)

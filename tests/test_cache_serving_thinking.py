@@ -87,4 +87,4 @@ def test_tool_loop_and_closing_turn_resume_where_the_template_keeps_tokens(start
     cold = chat(root.base_url, prompts[-1], preserve)
     assert cold["timings"]["cache_n"] == 0 and cold["usage"]["prompt_tokens"] == prompt_tokens[-1]
     assert cold["choices"][0]["message"] == replies[-1]["choices"][0]["message"]
-    assert "source=private_turn_closure cache=%d" % closing in cache.log()
+    assert f"source=private_turn_closure cache={closing}" in cache.log()

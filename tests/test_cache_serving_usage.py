@@ -10,7 +10,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from test_cache_serving_metrics import parse
 
 pytestmark = pytest.mark.timeout(600)
