@@ -131,6 +131,7 @@ class ServeOptions:
     artifact: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
+    stats_port: int | None = None  # also serve /health, /v1/load and /metrics here (one worker of their own)
     api_key: str | None = None
     model_id: str | None = None
     cors: bool = False
@@ -163,6 +164,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", nargs="?", help="the .ninfer artifact (default: the embedded small model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--stats-port", type=_positive(0, 65535), default=None, metavar="N",
+                   help="also serve GET /health, /v1/load and /metrics on port N of the same address, with a "
+                        "worker of their own (0: a free port, announced in the log)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-id", default=None)
     p.add_argument("--cors", action="store_true")
@@ -224,7 +228,8 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
 
     apply_cache_arguments(a, eng)
     return ServeOptions(
-        artifact=a.artifact, host=a.host, port=a.port, api_key=a.api_key, model_id=a.model_id,
+        artifact=a.artifact, host=a.host, port=a.port, stats_port=getattr(a, "stats_port", None),
+        api_key=a.api_key, model_id=a.model_id,
         cors=a.cors, chat_template=a.chat_template, no_thinking=a.no_thinking,
         preserve_thinking=a.preserve_thinking, max_request_mib=a.max_request_mib,
         log_level=a.log_level, usage_chunk_choice=a.usage_chunk_choice, plugins=list(a.plugin),

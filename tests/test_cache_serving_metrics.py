@@ -207,3 +207,23 @@ def test_cache_prompt_false_neither_reuses_nor_publishes(server):
     assert completion(base, fresh, cache_prompt=False)["tokens_cached"] == 0
     assert completion(base, fresh)["tokens_cached"] == 0
     assert completion(base, fresh)["tokens_cached"] > 0
+
+
+def test_stats_port_serves_health_load_and_metrics_under_the_same_rules(start_server):
+    s = start_server("--api-key", KEY, "--stats-port", "0")
+    m = re.search(r"stats listening on http://127\.0\.0\.1:(\d+)", s.log())
+    assert m, s.log()
+    stats = f"http://127.0.0.1:{m.group(1)}"
+    assert httpx.get(stats + "/health", timeout=30).json()["status"] == "ok"
+    assert httpx.get(stats + "/metrics", timeout=30).status_code == 401
+    assert httpx.get(stats + "/v1/load", timeout=30).status_code == 401
+    chat(s.base_url, [{"role": "user", "content": "Hi"}])
+    samples = scrape(stats)
+    assert samples['ninfer:context_selections_total{source="root"}'] >= 1
+    load = httpx.get(stats + "/v1/load", headers=AUTH, timeout=30).json()
+    assert load["object"] == "ninfer.load" and load["counters"]["computed_prefill_tokens"] > 0
+    # Only those routes: generation stays on the main port.
+    r = httpx.post(stats + "/v1/chat/completions", headers=AUTH, timeout=30,
+                   json={"model": "", "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert s.stop() == 0

@@ -33,6 +33,34 @@ def create_app(ctx: ServerContext) -> FastAPI:
     return app
 
 
+def create_stats_app(ctx: ServerContext) -> FastAPI:
+    """The --stats-port app: GET /health, /v1/load and /metrics only, under the main listener's
+    readiness and API-key rules, so a dashboard or watchdog never queues behind the request pool."""
+    from fastapi.responses import PlainTextResponse
+
+    from ninfer_core.protocols.ops import load_report
+    from ninfer_core.server.metrics import render_metrics
+
+    app = FastAPI(title="NInfer stats", version=build_string(), docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    async def health() -> dict:
+        return {"status": "ok", "version": build_string()}
+
+    async def load() -> dict:
+        return load_report(ctx)
+
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/load", load, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(ServerMiddleware, ctx=ctx)
+    return app
+
+
 def mount_protocols(app: FastAPI, ctx: ServerContext) -> dict[tuple[str, str], str]:
     """Mount every registered protocol; returns {(method, path): protocol name}."""
     owners: dict[tuple[str, str], str] = {}

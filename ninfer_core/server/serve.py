@@ -255,9 +255,19 @@ def run_serve(args) -> int:
     except OSError as e:
         return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
     port = sock.getsockname()[1]
+    stats_sock = None
+    if options.stats_port is not None:
+        try:
+            stats_sock = bind_socket(options.host, options.stats_port)
+        except OSError as e:
+            sock.close()
+            return _fail(f"cannot listen on {options.host}:{options.stats_port} (--stats-port): {e.strerror or e}")
     base = _announce(options.host, port)
     log.info("ninfer %s", build_string())
     log.info("listening on %s (API base %s/v1)", base, base)
+    if stats_sock is not None:
+        log.info("stats listening on %s (GET /health, /v1/load, /metrics)",
+                 _announce(options.host, stats_sock.getsockname()[1]))
     log.info("loading %s (%s) from %s", public_model_id(options, artifact), artifact.architecture, path)
 
     import uvicorn
@@ -284,8 +294,21 @@ def run_serve(args) -> int:
                     log.warning("engine shutdown: %s", e)
             shutdown_done.set()
 
+    stats_server = None
+    if stats_sock is not None:
+        from ninfer_core.server.app import create_stats_app
+
+        stats_server = uvicorn.Server(uvicorn.Config(
+            create_stats_app(ctx), log_level="warning" if level == "info" else level, access_log=False,
+            lifespan="off", timeout_graceful_shutdown=2, timeout_keep_alive=30))
+        # Its own thread and event loop: a scrape never waits behind the request pool.
+        threading.Thread(target=stats_server.run, kwargs={"sockets": [stats_sock]}, name="ninfer-stats",
+                         daemon=True).start()
+
     def on_exit() -> None:
         log.info("stopping")
+        if stats_server is not None:
+            stats_server.should_exit = True
         threading.Thread(target=shutdown_engine, name="ninfer-shutdown", daemon=True).start()
 
     server = _make_server(config, on_exit)
@@ -299,6 +322,8 @@ def run_serve(args) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if stats_server is not None:
+            stats_server.should_exit = True
         shutdown_engine()
     if ctx.load_error:
         print(f"error: loading the model failed: {ctx.load_error}", file=sys.stderr, flush=True)
