@@ -46,6 +46,7 @@ def test_chat_stream_reports_the_reused_prefix(server):
     assert timings["cache_n"] == cached and timings["cache_n"] + timings["prompt_n"] == last.usage.prompt_tokens
     assert reused_total(base) - before == cached
     assert f"source=private_turn_closure cache={cached} prompt={last.usage.prompt_tokens}" in server.log()
+    assert f"prompt {last.usage.prompt_tokens} tokens, cache={cached} via private_turn_closure" in server.log()
 
 
 def test_anthropic_reports_cache_reads(server):
