@@ -602,7 +602,7 @@ class ContextCache:
 
     def _restore_from_disk(self, seq: Sequence, now: float) -> None:
         """--disk-kv-restore: a request with no resident prefix seeds it from the disk tier."""
-        if getattr(seq, "disk_checked", False):
+        if getattr(seq, "disk_checked", False) or self.caps.max_private_continuations == 0:
             return
         seq.disk_checked = True
         image = self.disk.lookup(seq.prompt_ids, now)
