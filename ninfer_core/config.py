@@ -165,7 +165,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--stats-port", type=_positive(0, 65535), default=None, metavar="N",
-                   help="also serve GET /health, /v1/load and /metrics on port N of the same address, with a "
+                   help="also serve GET /health, /stats, /v1/load and /metrics on port N of the same address, with a "
                         "worker of their own (0: a free port, announced in the log)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-id", default=None)

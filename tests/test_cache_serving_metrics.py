@@ -222,8 +222,47 @@ def test_stats_port_serves_health_load_and_metrics_under_the_same_rules(start_se
     assert samples['ninfer:context_selections_total{source="root"}'] >= 1
     load = httpx.get(stats + "/v1/load", headers=AUTH, timeout=30).json()
     assert load["object"] == "ninfer.load" and load["counters"]["computed_prefill_tokens"] > 0
+    assert httpx.get(stats + "/stats", headers=AUTH, timeout=30).json()["object"] == "ninfer.stats"
     # Only those routes: generation stays on the main port.
     r = httpx.post(stats + "/v1/chat/completions", headers=AUTH, timeout=30,
                    json={"model": "", "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert s.stop() == 0
+
+
+def test_stats_reports_the_queue_and_the_ingress_peak(server):
+    import threading
+    import time
+
+    base = server.base_url
+    body = {"model": "", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 600,
+            "ignore_eos": True, "temperature": 0}
+    results = []
+
+    def send():
+        results.append(httpx.post(base + "/v1/chat/completions", json=body, headers=AUTH, timeout=300).status_code)
+
+    first = threading.Thread(target=send)
+    first.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(base + "/v1/load", headers=AUTH, timeout=30).json()["requests"]["running"] == 0:
+        assert time.monotonic() < deadline and first.is_alive()
+    second = threading.Thread(target=send)
+    second.start()
+    seen = None
+    while seen is None and first.is_alive():
+        stats = httpx.get(base + "/stats", headers=AUTH, timeout=30).json()
+        if stats["queue"]["depth"] == 1 and stats["queue"]["entries"]:
+            seen = stats
+    first.join()
+    second.join()
+    assert results == [200, 200]
+    assert seen is not None, "the second request was never seen waiting"
+    entry = seen["queue"]["entries"][0]
+    assert entry["position"] == 0 and entry["wait_seconds"] >= 0 and isinstance(entry["request_id"], str)
+    assert seen["object"] == "ninfer.stats" and seen["requests"]["peak_admitted"] >= 2
+    after = httpx.get(base + "/stats", headers=AUTH, timeout=30).json()
+    assert after["queue"] == {"depth": 0, "entries": []}
+    assert after["tokens"]["prefill"] == after["counters"]["computed_prefill_tokens"]
+    assert after["decode_batch"]["rounds"] == after["counters"]["decode_rounds"]
+    assert after["context_cache"]["selections"]["root"] >= 1

@@ -177,6 +177,9 @@ class Engine:
                 "slots_total": s.slots.num_slots,
                 "slots_free": s.slots.num_free,
                 "pending": len(s.waiting),
+                # GET /stats: the first 16 waiting requests in submission order.
+                "queue": [{"request_id": q.request_id, "position": i, "wait_seconds": time.monotonic() - q.t_submit}
+                          for i, q in zip(range(16), s.waiting)],
                 "outstanding": self._outstanding,
                 "capacity": self.capacity,
                 "kv_bytes": self.kv_bytes,

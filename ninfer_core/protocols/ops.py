@@ -115,6 +115,42 @@ def load_report(ctx: ServerContext) -> dict[str, Any]:
     }
 
 
+def stats_report(ctx: ServerContext) -> dict[str, Any]:
+    """GET /stats: the /v1/load report plus the ingress peak, the engine's counters since startup
+    (tokens, rates over the uptime, scheduler, decode batches, context cache) and the queue."""
+    report = load_report(ctx)
+    snap: dict[str, Any] = {}
+    if ctx.engine is not None:
+        try:
+            snap = dict(ctx.engine.snapshot() or {})
+        except Exception:  # noqa: BLE001 - a stats probe must answer even if the engine is unwell
+            snap = {}
+    c = report["counters"]
+    raw = snap.get("counters") if isinstance(snap.get("counters"), dict) else {}
+    uptime = max(float(report["uptime_seconds"]), 1e-9)
+    rounds = c.get("decode_rounds", 0)
+    queue = [q for q in snap.get("queue") or [] if isinstance(q, dict)]
+    report.update({
+        "object": "ninfer.stats",
+        "tokens": {"prompt": c.get("prompt_tokens_total", 0), "prefill": c["computed_prefill_tokens"],
+                   "reused": c["reused_prompt_tokens"], "decode": c["committed_decode_tokens"],
+                   "generated": c.get("generated_tokens_total", 0)},
+        "throughput_tokens_per_second": {"prefill": c["computed_prefill_tokens"] / uptime,
+                                         "decode": c["committed_decode_tokens"] / uptime},
+        "scheduler": dict(report["requests"]),
+        "decode_batch": {"rounds": rounds, "row_rounds": c["decode_row_rounds"],
+                         "average_size": c["decode_row_rounds"] / rounds if rounds else None},
+        "seconds": {"prefill": float(raw.get("prefill_seconds", 0.0)), "decode": float(raw.get("decode_seconds", 0.0)),
+                    "context_transfer": float(raw.get("context_transfer_seconds", 0.0))},
+        "context_cache": snap.get("context_cache"),
+        "queue": {"depth": report["requests"]["waiting"],
+                  "entries": [{"request_id": q.get("request_id"), "position": q.get("position"),
+                               "wait_seconds": round(float(q.get("wait_seconds", 0.0)), 3)} for q in queue]},
+    })
+    report["requests"]["peak_admitted"] = ctx.ingress.peak
+    return report
+
+
 class Ops:
     name = "ops"
 
@@ -144,6 +180,9 @@ class Ops:
         async def get_load() -> dict:
             return load_report(ctx)
 
+        async def get_stats() -> dict:
+            return stats_report(ctx)
+
         async def get_metrics() -> PlainTextResponse:
             return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -154,6 +193,7 @@ class Ops:
         router.add_api_route("/props", get_props, methods=["GET"])
         router.add_api_route("/v1/load", get_load, methods=["GET"])
         router.add_api_route("/metrics", get_metrics, methods=["GET"])
+        router.add_api_route("/stats", get_stats, methods=["GET"])
 
 
 PROTOCOL = Ops()

@@ -266,7 +266,7 @@ def run_serve(args) -> int:
     log.info("ninfer %s", build_string())
     log.info("listening on %s (API base %s/v1)", base, base)
     if stats_sock is not None:
-        log.info("stats listening on %s (GET /health, /v1/load, /metrics)",
+        log.info("stats listening on %s (GET /health, /stats, /v1/load, /metrics)",
                  _announce(options.host, stats_sock.getsockname()[1]))
     log.info("loading %s (%s) from %s", public_model_id(options, artifact), artifact.architecture, path)
 
