@@ -94,10 +94,12 @@ def test_chat_aggregate(client, model_id):
     u = resp.usage
     assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 12
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.prompt_tokens_details.cached_tokens == 0
     assert 0 < u.completion_tokens_details.reasoning_tokens <= u.completion_tokens
     timings = resp.model_extra["timings"]
     assert timings["prompt_n"] + timings["cache_n"] == u.prompt_tokens
+    # The shared server may hold an earlier conversation's checkpoint of this prefix (another test's
+    # tool loop keeps the frontier before its first assistant opener): reuse is reported exactly.
+    assert 0 <= u.prompt_tokens_details.cached_tokens == timings["cache_n"] < u.prompt_tokens
     assert timings["predicted_n"] == u.completion_tokens
 
 
