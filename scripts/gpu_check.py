@@ -39,6 +39,11 @@ def main() -> int:
     ap.add_argument("--tests", nargs="*", default=["tests/gpu"], help="pytest paths (none: skip)")
     ap.add_argument("--bench", nargs="*", default=["qwen3.5-9b"], help="shapes to bench (none: skip)")
     ap.add_argument("--bench-args", default="", help="extra arguments for every ninfer bench run")
+    ap.add_argument("--replay", nargs="*", default=[], help="shapes for the context-cache replay (none: skip)")
+    ap.add_argument("--replay-args", default="--turns 2 --system-tokens 28000 --reply-tokens 16 --profile-replay",
+                    help="extra arguments for every replay run")
+    ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
+    ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -53,10 +58,13 @@ def main() -> int:
     rc, _, text = run(env_cmd, os.path.join(a.out, "env.log"), 120)
     print(text.strip(), flush=True)
 
-    if a.tests:
+    def part_tests():
+        if not a.tests:
+            return
         left = a.budget - (time.monotonic() - t_start)
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            *a.tests], os.path.join(a.out, "pytest.log"), max(60, left - 30))
+                            *a.tests], os.path.join(a.out, "pytest.log"),
+                            min(a.tests_timeout, max(60, left - 30)))
         lines = [ln for ln in text.splitlines() if ln.startswith(("PARITY", "graph vs", "8 concurrent", "tiny artifact",
                                                                   "in-place GDN", "fla chunk", "lane "))
                  or "rel err" in ln]
@@ -67,21 +75,45 @@ def main() -> int:
         if rc != 0:
             summary.append(text[-4000:])
 
-    for shape in a.bench:
-        left = a.budget - (time.monotonic() - t_start)
-        if left < 60:
-            summary.append(f"== bench {shape}: skipped, {left:.0f} s left")
-            continue
-        js = os.path.join(a.out, f"bench-{shape.replace('/', '_')}.json")
-        cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js,
-               *a.bench_args.split()]
-        rc, dt, text = run(cmd, os.path.join(a.out, f"bench-{shape.replace('/', '_')}.log"), left - 10)
-        summary.append(f"== bench {shape} rc={rc} in {dt:.0f} s")
-        start = text.find("ninfer bench  shape=")
-        summary.append(text[start:].strip() if start >= 0 else text[-3000:])
-        if os.path.exists(js):
-            with open(js) as f:
-                json.load(f)
+    def part_bench():
+        for shape in a.bench:
+            left = a.budget - (time.monotonic() - t_start)
+            if left < 60:
+                summary.append(f"== bench {shape}: skipped, {left:.0f} s left")
+                continue
+            js = os.path.join(a.out, f"bench-{shape.replace('/', '_')}.json")
+            cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js,
+                   *a.bench_args.split()]
+            rc, dt, text = run(cmd, os.path.join(a.out, f"bench-{shape.replace('/', '_')}.log"), left - 10)
+            summary.append(f"== bench {shape} rc={rc} in {dt:.0f} s")
+            start = text.find("ninfer bench  shape=")
+            prof = text.find("profile decode_b1")
+            if prof >= 0:
+                summary.append(text[prof:start if start > prof else None].strip())
+            summary.append(text[start:].strip() if start >= 0 else text[-3000:])
+            if os.path.exists(js):
+                with open(js) as f:
+                    json.load(f)
+
+    def part_replay():
+        for shape in a.replay:
+            left = a.budget - (time.monotonic() - t_start)
+            if left < 90:
+                summary.append(f"== replay {shape}: skipped, {left:.0f} s left")
+                continue
+            tag = shape.replace('/', '_')
+            js = os.path.join(a.out, f"replay-{tag}.json")
+            cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--conversations", "--replay-model", shape,
+                   "--device", "cuda", "--json", js, *a.replay_args.split()]
+            rc, dt, text = run(cmd, os.path.join(a.out, f"replay-{tag}.log"), left - 10)
+            summary.append(f"== replay {shape} rc={rc} in {dt:.0f} s")
+            start = text.find("replay: ")
+            summary.append(text[start:].strip() if start >= 0 else text[-3000:])
+
+    parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench}
+    for name in a.order.split(","):
+        parts[name.strip()]()
+
     print("\n".join(summary), flush=True)
     return 0
 

@@ -41,6 +41,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-chunk", type=int, default=1024, help="--prefill-chunk of the replay engine")
     p.add_argument("--auto-long-anchors", action="store_true", help="serve with --auto-long-anchors")
     p.add_argument("--branch-anchors", action="store_true", help="serve with --branch-anchors")
+    p.add_argument("--profile-replay", action="store_true",
+                   help="time the phases of every warm turn (admission, state restore and capture, page copies, "
+                        "each prefill chunk; the device synchronised around each) and print them per scenario")
 
 
 def _text(rng: random.Random, n_words: int) -> str:
@@ -184,6 +187,95 @@ async def _generate(engine, ids, hints, max_tokens):
     return out, fin
 
 
+class PhaseTimer:
+    """--profile-replay: wraps the runner's and the catalog's calls with device-synchronised wall
+    clocks. `events` collects (phase, ms, detail) for the request being served."""
+
+    RUNNER = ("prefill", "decode", "restore_state", "capture_state", "copy_slot", "copy_page", "read_pages",
+              "write_pages", "reset_slot")
+    CACHE = ("make_room", "admit", "materialize", "after_chunk", "on_finish")
+
+    def __init__(self, runner, cache):
+        self.events: list[tuple[str, float, str]] = []
+        self._sync = _device_sync(runner)
+        self._depth = 0
+        for name in self.RUNNER:
+            if hasattr(runner, name):
+                setattr(runner, name, self._wrap(name, getattr(runner, name)))
+        for name in self.CACHE:
+            if cache is not None and hasattr(cache, name):
+                setattr(cache, name, self._wrap("cache." + name, getattr(cache, name)))
+
+    def _wrap(self, name, fn):
+        import time
+
+        def timed(*args, **kw):
+            self._sync()
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._sync()
+                self._depth -= 1
+                detail = ""
+                if name == "prefill" and len(args) >= 2:
+                    detail = f"start={args[0].num_cached} T={len(args[1])}"
+                self.events.append((name, (time.perf_counter() - t0) * 1e3, detail))
+        return timed
+
+    def take(self) -> list[tuple[str, float, str]]:
+        ev, self.events = self.events, []
+        return ev
+
+
+def _device_sync(runner):
+    dev = getattr(runner, "device", None)
+    if dev is not None and getattr(dev, "type", "cpu") == "cuda":
+        import torch
+
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
+
+
+def _phase_table(events: list[tuple[str, float, str]], prompt_ms: float) -> str:
+    """One warm turn's phases up to its first token (decode and on_finish come after it)."""
+    lines = []
+    before_first = []
+    for name, ms, detail in events:
+        if name in ("decode", "cache.on_finish"):
+            break
+        before_first.append((name, ms, detail))
+    # nested calls (the catalog's copies inside materialize / after_chunk) are listed indented
+    total_top = 0.0
+    for name, ms, detail in before_first:
+        top = name.startswith("cache.") or name == "prefill"
+        if top:
+            total_top += ms
+        lines.append(f"    {'' if top else '  '}{name:<22} {ms:>9.1f} ms  {detail}")
+    lines.append(f"    {'sum of top-level phases':<22} {total_top:>9.1f} ms; prompt_ms (admission to first token) "
+                 f"{prompt_ms:.1f}")
+    return "\n".join(lines)
+
+
+def _warm_up(eng, tok, template, turns: int = 2, system_tokens: int = 2600) -> None:
+    """A short cached conversation before measuring: compiles the kernels for unaligned resumed
+    prefixes and capture splits, captures the decode graph, and exercises state capture/restore,
+    so no measured turn pays a first use."""
+    from ninfer_core.engine.cache import derive_hints
+
+    rng = random.Random(12345)
+    words = []
+    while len(tok.encode(" ".join(words))) < system_tokens:
+        words += _text(rng, 64).split()
+    msgs = [{"role": "system", "content": " ".join(words)}, {"role": "user", "content": _text(rng, 37)}]
+    for _ in range(turns):
+        ids = tok.encode(template.render(msgs, add_generation_prompt=True, enable_thinking=False))
+        out, _ = asyncio.run(_generate(eng, ids, derive_hints(tok, ids), 4))
+        msgs += [{"role": "assistant", "content": tok.decode(out)}, {"role": "user", "content": _text(rng, 53)}]
+    asyncio.run(_generate(eng, tok.encode("warm up " * 64), None, 2))
+
+
 def run_replay(a: argparse.Namespace) -> int:
     """One cached Engine serves every turn; after each scenario the catalog is audited and cleared
     (the pools must be idle), and the scenario's last prompt is served again from root for the
@@ -241,10 +333,14 @@ def run_replay(a: argparse.Namespace) -> int:
                 and cc["checkpoints"] == 0 and cc["device_state_slots_used"] == 0
                 and cc["host_state_slots_used"] == 0 and cc["host_kv_bytes_used"] == 0)
 
+    timer = PhaseTimer(eng.runner, eng.cache) if getattr(a, "profile_replay", False) else None
+    profiles = []
     try:
         # Warm up kernels and allocator once so neither side pays first-use costs.
-        asyncio.run(_generate(eng, tok.encode("warm up " * 64), None, 2))
+        _warm_up(eng, tok, template)
         clear_and_check()
+        if timer is not None:
+            timer.take()
         for name, script in build_scenarios(rng, a.turns, a.system_tokens, tok):
             stats = {"prompt": 0, "reused": 0, "warm_ms": [], "prev_ratio": [], "gap": [], "sources": {}}
             last_of: dict[int, list[int]] = {}
@@ -257,7 +353,11 @@ def run_replay(a: argparse.Namespace) -> int:
                 hints = derive_hints(tok, ids)
                 hints.markers = _marker_positions(tok, template, turn, ids)
                 before = dict(eng.snapshot()["context_cache"]["selections"])
+                if timer is not None:
+                    timer.take()
                 out, fin = asyncio.run(_generate(eng, ids, hints, a.reply_tokens))
+                if timer is not None:
+                    state["events"] = timer.take()
                 after = eng.snapshot()["context_cache"]["selections"]
                 source = next((k for k in after if after[k] != before[k]), "?")
                 cached = fin.usage.cached_tokens
@@ -272,6 +372,7 @@ def run_replay(a: argparse.Namespace) -> int:
                         div = _divergence(tok, template, turn, ids, previous)
                         stats["gap"].append((div if div is not None else len(ids)) - cached)
                     state["last_ids"], state["last_warm"] = ids, fin.timings["prompt_ms"]
+                    state["last_events"] = state.get("events", [])
                 state["first"] = False
                 last_of[turn.client] = ids
                 return tok.decode(out)
@@ -281,6 +382,9 @@ def run_replay(a: argparse.Namespace) -> int:
             _, cold = asyncio.run(_generate(eng, state["last_ids"], None, 1))  # the last prompt from root
             cold_ms = cold.timings["prompt_ms"]
             idle = clear_and_check() and idle
+            if timer is not None:
+                timer.take()
+                profiles.append((name, state.get("last_events", []), state["last_warm"], cold_ms))
             w = statistics.median(stats["warm_ms"])
             rows.append({"scenario": name, "reused": stats["reused"], "prompt": stats["prompt"],
                          "reuse_ratio": stats["reused"] / max(stats["prompt"], 1),
@@ -292,6 +396,9 @@ def run_replay(a: argparse.Namespace) -> int:
                          "sources": stats["sources"]})
     finally:
         eng.shutdown(timeout=120)
+    for name, events, warm, cold in profiles:
+        print(f"phases of the last warm turn: {name} (warm {warm:.1f} ms, cold {cold:.1f} ms)")
+        print(_phase_table(events, warm))
     _print_table(rows)
     print(f"pool accounting after every scenario (catalog cleared): {'idle' if idle else 'NOT IDLE'}")
     if getattr(a, "json", None):

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -59,6 +60,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-clients", type=_ints, default=[1, 8],
                    help="streaming client counts for the HTTP comparison (empty skips it)")
     p.add_argument("--http-tokens", type=int, default=128, help="tokens each HTTP/engine request generates")
+    p.add_argument("--profile", action="store_true",
+                   help="also print the device-kernel time of one decode step (batch 1, eager) and one "
+                        "prefill of the largest --prefill-lens, by kernel, from torch.profiler")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON here")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
@@ -233,6 +237,68 @@ def ninfer_decode(torch, runner, lanes, batch, prompt_len, steps, vocab, seed, c
             "context": prompt_len + 3 + steps // 2}
 
 
+def profile_kernels(torch, runner, lanes, prompt_len: int, prefill_len: int, vocab: int, seed: int,
+                    steps: int = 8) -> dict:
+    """Device-kernel time by kernel name for one eager decode step at batch 1 and one prefill of
+    `prefill_len` tokens (torch.profiler); the decode graph's step time minus the kernel sum is the
+    launch/gap overhead the graph leaves."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def table(prof, div: int, top: int = 18):
+        rows = []
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None)
+            if t is None:
+                t = getattr(ev, "cuda_time_total", 0)
+            if t and ev.device_type == torch.autograd.DeviceType.CUDA:
+                rows.append((ev.key[:70], t / div / 1e3, ev.count / div))
+        rows.sort(key=lambda r: -r[1])
+        return {"total_ms": sum(r[1] for r in rows), "kernels_per_call": sum(r[2] for r in rows),
+                "top": [{"kernel": k, "ms": ms, "count": c} for k, ms, c in rows[:top]]}
+
+    out = {}
+    (view,) = lanes.views(1)
+    _prefill(runner, view, _prompt(torch, prompt_len, vocab, seed + 7))
+    graphs = getattr(runner, "cuda_graph", False)
+    if graphs:
+        runner.cuda_graph = False  # eager for names; the captured graphs stay for later use
+    try:
+        tok = [1]
+        for _ in range(2):
+            runner.decode([view], tok)
+            view.num_cached += 1
+        _sync(torch, runner.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner.decode([view], tok)
+                view.num_cached += 1
+            _sync(torch, runner.device)
+        out["decode_b1"] = table(prof, steps)
+    finally:
+        if graphs:
+            runner.cuda_graph = True
+    toks = _prompt(torch, prefill_len, vocab, seed + 11)
+    (view,) = lanes.views(1)
+    _prefill(runner, view, toks)
+    _sync(torch, runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        (view,) = lanes.views(1)
+        _prefill(runner, view, toks)
+        _sync(torch, runner.device)
+    out[f"prefill_{prefill_len}"] = table(prof, 1)
+    return out
+
+
+def render_profile(prof: dict) -> str:
+    lines = []
+    for name, t in prof.items():
+        lines.append(f"profile {name}: device kernels {t['total_ms']:.3f} ms per call, "
+                     f"{t['kernels_per_call']:.0f} kernels per call")
+        for r in t["top"]:
+            lines.append(f"  {r['ms']:8.3f} ms  x{r['count']:<6.1f} {r['kernel']}")
+    return "\n".join(lines)
+
+
 # ---- transformers -------------------------------------------------------------------------------------
 def hf_figures(torch, hf, runner, args, vocab) -> dict:
     dev = runner.device
@@ -280,7 +346,6 @@ def hf_figures(torch, hf, runner, args, vocab) -> dict:
 def http_vs_engine(runner, family, art, host, args, device) -> dict:
     """The same streaming chat requests through the real FastAPI/uvicorn server (httpx clients on
     loopback) and straight into the engine; total generated tokens over wall time for each."""
-    import httpx
     import uvicorn
 
     from ninfer_core.config import EngineOptions, ServeOptions
@@ -319,22 +384,7 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     while not server.started:
         time.sleep(0.05)
 
-    def msgs(i):
-        return [{"role": "user", "content": f"Benchmark prompt number {i}: say anything."}]
-
-    async def one_http(client, i):
-        body = {"model": "bench", "messages": msgs(i), "max_tokens": args.http_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True}
-        used = None
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        used = chunk["usage"]["completion_tokens"]
-        return used or 0
+    from ninfer_core.bench.http_load import messages as msgs
 
     async def one_engine(i):
         ids = tok.encode(template.render(msgs(i)))
@@ -348,11 +398,14 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
                 n = ev.usage.completion_tokens if ev.usage else n
         return n
 
-    async def http_round(k):
-        async with httpx.AsyncClient(timeout=600) as client:
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*(one_http(client, i) for i in range(k)))
-            return sum(counts), time.perf_counter() - t0
+    def http_round(k):
+        """The streaming clients run in their own process (ninfer_core.bench.http_load)."""
+        p = subprocess.run([sys.executable, "-m", "ninfer_core.bench.http_load", str(port), str(k),
+                            str(args.http_tokens)], capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"HTTP load failed: {p.stderr[-500:]}")
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        return got["tokens"], got["seconds"]
 
     async def engine_round(k):
         t0 = time.perf_counter()
@@ -364,7 +417,8 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
         for k in args.http_clients:
             asyncio.run(engine_round(k))  # warm-up (graphs of this width)
             n_e, t_e = asyncio.run(engine_round(k))
-            n_h, t_h = asyncio.run(http_round(k))
+            http_round(k)  # warm-up of the server path (first requests, client process start)
+            n_h, t_h = http_round(k)
             out[k] = {"engine_tok_s": n_e / t_e, "http_tok_s": n_h / t_h, "ratio": (n_h / t_h) / (n_e / t_e),
                       "tokens": n_h, "engine_tokens": n_e}
     finally:
@@ -478,6 +532,15 @@ def run_bench(a: argparse.Namespace) -> int:
         floor = bw / step_bytes(facts, spec, 1, d["context"])
         res["decode_long"] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
         print(f"decode after {a.long_context}: {d['total_tok_s']:,.1f} tok/s", flush=True)
+
+    if a.profile:
+        try:
+            res["profile"] = profile_kernels(torch, runner, long_lanes, a.decode_prompt,
+                                             max(a.prefill_lens or [512]), vocab, a.seed)
+            print(render_profile(res["profile"]), flush=True)
+        except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the table
+            res["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"profile failed: {res['profile']['error']}", flush=True)
 
     if not a.no_hf and hasattr(family, "transformers_model"):
         try:

@@ -109,28 +109,45 @@ class Qwen35Runner(ModelRunner):
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
+    # Host copies go to pinned memory (the spec's pinned Host tiers): every tensor's device-to-host
+    # copy is queued without waiting and the stream is synchronised once, so an image of a large
+    # model moves at the link's rate instead of one pageable round trip per layer tensor.
+    def _to_host(self, tensors: dict) -> dict:
+        if self.device.type != "cuda":
+            return {name: t.to("cpu", copy=True) for name, t in tensors.items()}
+        out = {}
+        for name, t in tensors.items():
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out[name] = host
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
+
     def capture_state(self, slot: int) -> StateImage:
         self._check_slot(slot)
-        tensors = {f"conv.{i}": t[slot].to("cpu", copy=True) for i, t in self.cache.conv.items()}
-        tensors.update({f"ssm.{i}": t[slot].to("cpu", copy=True) for i, t in self.cache.ssm.items()})
-        return StateImage(tensors)
+        tensors = {f"conv.{i}": t[slot] for i, t in self.cache.conv.items()}
+        tensors.update({f"ssm.{i}": t[slot] for i, t in self.cache.ssm.items()})
+        return StateImage(self._to_host(tensors))
 
     def restore_state(self, image: StateImage, slot: int) -> None:
         self._check_slot(slot)
+        pairs = []
         for kind, store in (("conv", self.cache.conv), ("ssm", self.cache.ssm)):
             for i, t in store.items():
                 src = image.tensors.get(f"{kind}.{i}")
                 if src is None or tuple(src.shape) != tuple(t[slot].shape) or src.dtype != t.dtype:
                     raise ValueError(f"StateImage does not fit this model's {kind} state of layer {i}")
-                t[slot].copy_(src)
+                pairs.append((t[slot], src))
+        for dst, src in pairs:  # pinned sources copy asynchronously, in stream order with the forward
+            dst.copy_(src, non_blocking=True)
 
     def read_pages(self, pages):
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        out = {}
+        sel = {}
         for i, (k, v) in self.cache.kv.items():
-            out[f"k.{i}"] = k.index_select(0, idx).cpu()
-            out[f"v.{i}"] = v.index_select(0, idx).cpu()
-        return out
+            sel[f"k.{i}"] = k.index_select(0, idx)
+            sel[f"v.{i}"] = v.index_select(0, idx)
+        return self._to_host(sel)
 
     def write_pages(self, pages, data) -> None:
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
@@ -139,7 +156,7 @@ class Qwen35Runner(ModelRunner):
                 src = data.get(name)
                 if src is None or tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
                     raise ValueError(f"KV data does not fit this model's pages ({name})")
-                dst.index_copy_(0, idx, src.to(dst.device, dst.dtype))
+                dst.index_copy_(0, idx, src.to(dst.device, dst.dtype, non_blocking=True))
 
     # ---- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -54,13 +54,16 @@ def prefill_attention(device="cpu", heads=8, kvh=2, d=64, page=64, tol=2e-2):
     num_pages = 16
     kc, vc = _pool(num_pages, page, kvh, d, device, gen)
     pages = torch.tensor([9, 2, 14, 5, 0, 11], dtype=torch.int32, device=device)
-    for start, t in ((0, 100), (70, 90), (128, 1), (0, 64)):
+    for start, t in ((0, 100), (70, 90), (128, 1), (0, 64), (300, 17)):
         q = torch.randn(t, heads, d, generator=gen, device=device).to(act_dtype(device))
         ref = K.ref_paged_prefill_attention(q, kc, vc, pages, start, d**-0.5)
-        out = K.paged_prefill_attention(q, kc, vc, pages, start, d**-0.5, block_m=32 if device == "cpu" else 64)
-        err = rel(out, ref)
-        print(f"prefill attention start={start} T={t}: rel err {err:.2e}")
-        assert err < tol, err
+        # splits: the automatic choice, none, and key splits whose first pages are past some rows
+        for splits in (None, 1, 2, 3, 6):
+            out = K.paged_prefill_attention(q, kc, vc, pages, start, d**-0.5,
+                                            block_m=32 if device == "cpu" else 64, splits=splits)
+            err = rel(out, ref)
+            print(f"prefill attention start={start} T={t} splits={splits}: rel err {err:.2e}")
+            assert err < tol, err
 
 
 def gdn_decode(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, tol=1e-4):
@@ -168,6 +171,16 @@ def conv_and_qk(device="cpu", tol=None):
     e1, e2 = rel(out, ref), rel(state, ref_state)
     print(f"conv_update: out {e1:.2e}, state {e2:.2e}")
     assert e1 < tol and e2 < tol
+    for t in (1, 2, 3, 5, 40, 77):  # the chunk conv (T < 3 takes the reference path)
+        x = torch.randn(t, c + 40, generator=gen, device=device).to(dt)[:, :c]
+        st = torch.randn(5, c, 3, generator=gen, device=device).to(dt)
+        ref_st = st.clone()
+        ref = K.ref_conv_prefill(x, ref_st, w, 3)
+        out = K.conv_prefill(x, st, w, 3)
+        e1, e2 = rel(out, ref), rel(st, ref_st)
+        print(f"conv_prefill T={t}: out {e1:.2e}, state {e2:.2e}")
+        assert e1 < tol and e2 < tol
+        assert torch.equal(st[[0, 1, 2, 4]], ref_st[[0, 1, 2, 4]])
     n, h, kvh, d, rot = 7, 4, 2, 64, 16
     p = torch.randn(n, h * 2 * d + 2 * kvh * d, generator=gen, device=device).to(dt)
     q = p[:, : h * 2 * d].view(n, h, 2 * d)[..., :d]

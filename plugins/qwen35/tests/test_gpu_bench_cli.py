@@ -27,7 +27,7 @@ def test_bench_smoke_run_writes_table_and_json(tiny, tmp_path):
     r = _bench("--shape", tiny, "--device", "cpu", "--prefill-lens", "64", "--decode-batches", "1,2",
                "--decode-steps", "3", "--decode-prompt", "16", "--long-context", "130", "--long-chunk", "64",
                "--repeats", "1", "--hf-prefill-lens", "32", "--hf-decode-batches", "1", "--hf-decode-steps", "2",
-               "--http-clients", "1,2", "--http-tokens", "6", "--json", str(out))
+               "--http-clients", "1,2", "--http-tokens", "6", "--profile", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ninfer bench  shape=" in r.stdout and "prefill 64 tok/s" in r.stdout
     res = json.loads(out.read_text())
@@ -46,6 +46,26 @@ def test_bench_smoke_run_writes_table_and_json(tiny, tmp_path):
         assert http[k]["ratio"] > 0
     idle = http["idle_after"]
     assert idle["lanes_active"] == 0 and idle["pages_free"] == idle["pages_total"]
+    prof = res["profile"]  # on the CPU there are no device kernels: the tables exist and are empty
+    assert set(prof) == {"decode_b1", "prefill_64"}, prof
+    assert "profile decode_b1: device kernels" in r.stdout
+
+
+def test_replay_profile_prints_phases_of_every_warm_turn(tmp_path):
+    out = tmp_path / "r.json"
+    r = _bench("--conversations", "--device", "cpu", "--turns", "2", "--system-tokens", "300", "--reply-tokens", "4",
+               "--profile-replay", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["idle"] is True and len(res["replay"]) == 7
+    append = next(x for x in res["replay"] if x["scenario"] == "append_only")
+    assert append["reused"] > 0 and append["prev_turn_reuse_min"] >= 0.9
+    assert r.stdout.count("phases of the last warm turn:") == 7
+    block = r.stdout.split("phases of the last warm turn: append_only")[1].split("phases of")[0]
+    # a resumed turn: admission, the state copy into the lane, then prefill of only the new tokens
+    assert "cache.materialize" in block and "prefill" in block and "start=" in block
+    starts = [int(x.split("start=")[1].split()[0]) for x in block.splitlines() if "start=" in x]
+    assert starts and min(starts) == append["reused"]
 
 
 @pytest.mark.parametrize("args,needle", [

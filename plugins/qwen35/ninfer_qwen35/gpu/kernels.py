@@ -150,14 +150,17 @@ if HAVE_TRITON:
         tl.store(O_PART + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_d[None, :], out, mask=gmask[:, None])
         tl.store(LSE_PART + b * s_lb + heads * s_lh + sp, lse, mask=gmask)
 
-    @triton.jit
+    # start / T / PPS vary with every resumed prefix and capture split: not specialised, so a new
+    # alignment never triggers a compile inside a request's time to first token.
+    @triton.jit(do_not_specialize=["start", "T", "PPS"])
     def _paged_prefill_kernel(
-        Q, K, V, BT, O, start, T, scale,
-        s_qt, s_qh, s_kp, s_kr, s_kh, s_ot, s_oh,
-        G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
+        Q, K, V, BT, O, O_PART, LSE_PART, start, T, scale, PPS,
+        s_qt, s_qh, s_kp, s_kr, s_kh, s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh,
+        G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
     ):
         mb = tl.program_id(0)
         h = tl.program_id(1)
+        sp = tl.program_id(2)
         kvh = h // G
         offs_m = mb * BM + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
@@ -167,10 +170,15 @@ if HAVE_TRITON:
         q = tl.load(Q + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
         last = tl.minimum(start + (mb + 1) * BM, start + T) - 1
         n_pages = last // PAGE + 1
+        p0 = 0
+        p1 = n_pages
+        if SPLIT:
+            p0 = sp * PPS
+            p1 = tl.minimum(p0 + PPS, n_pages)
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        for p in range(0, n_pages):
+        for p in range(p0, p1):
             page = tl.load(BT + p).to(tl.int64)
             off = page * s_kp + offs_r[:, None] * s_kr + kvh * s_kh + offs_d[None, :]
             k = tl.load(K + off)
@@ -178,15 +186,23 @@ if HAVE_TRITON:
             kpos = p * PAGE + offs_r
             s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            pr = tl.exp(s - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet in this split
+            alpha = tl.exp(m - m_safe)
+            pr = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(pr, 1)
             v = tl.load(V + off)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
             m = m_new
-        out = acc / l[:, None]
-        tl.store(O + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=mmask[:, None])
+        l_safe = tl.where(l > 0, l, 1.0)
+        out = acc / l_safe[:, None]
+        if SPLIT:
+            lse = tl.where(l > 0, m + tl.log(l_safe), float("-inf"))
+            tl.store(O_PART + offs_m[:, None] * s_pt + h * s_ph + sp * s_ps + offs_d[None, :], out,
+                     mask=mmask[:, None])
+            tl.store(LSE_PART + offs_m * s_lt + h * s_lh + sp, lse, mask=mmask)
+        else:
+            tl.store(O + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                     mask=mmask[:, None])
 
     @triton.jit
     def _gdn_decode_kernel(
@@ -220,6 +236,27 @@ if HAVE_TRITON:
         tl.store(sp, s)
         tl.store(OUT + b * s_ob + hv * s_oh + offs_v, o.to(OUT.dtype.element_ty))
 
+    # S (the split count) is a runtime value and SP a fixed bound, so a new split count never
+    # compiles a new kernel inside a request.
+    @triton.jit(do_not_specialize=["S"])
+    def _decode_combine_kernel(O_PART, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_qb, s_qh, S,
+                               H: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SP)
+        offs_d = tl.arange(0, D)
+        smask = offs_s < S
+        lse = tl.load(LSE + b * s_lb + h * s_lh + offs_s, mask=smask, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.exp(lse - top)  # empty splits: exp(-inf) = 0
+        part = tl.load(O_PART + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :],
+                       mask=smask[:, None], other=0.0)
+        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * s_qb + h * s_qh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+COMBINE_MAX_SPLITS = 64
+
 
 def decode_split_pages(table_width: int) -> int:
     """Pages per split of the decode kernel: at most 64 splits over a block-table row."""
@@ -248,27 +285,64 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pa
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps,
         num_warps=4,
     )
-    top = lse.max(dim=-1, keepdim=True).values
-    wts = torch.exp(lse - top)  # empty splits: exp(-inf) = 0
-    out = (o_part * wts[..., None]).sum(2) / wts.sum(-1, keepdim=True)
-    return out.to(q.dtype)
+    out = torch.empty_like(q)
+    _decode_combine_kernel[(b, h)](
+        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), splits, H=h, SP=COMBINE_MAX_SPLITS, D=d,
+        num_warps=4,
+    )
+    return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, pages, start: int, scale, block_m: int = 64):
-    """See ref_paged_prefill_attention. pages: int32 tensor of the sequence's page ids."""
+PREFILL_TARGET_PROGRAMS = 528  # ~4 waves over the H200's 132 SMs
+
+
+def prefill_splits(t: int, heads: int, total_pages: int, block_m: int = 64) -> int:
+    """Key splits for a prefill chunk: 1 when the query blocks alone fill the device; else split the
+    pages (>= 8 per split) so that a short chunk over a long cached prefix (a resumed conversation)
+    still runs on every SM instead of a few programs walking every page."""
+    programs = -(-t // block_m) * heads
+    if programs >= PREFILL_TARGET_PROGRAMS // 2:
+        return 1
+    want = -(-PREFILL_TARGET_PROGRAMS // programs)
+    return max(1, min(want, total_pages // 8, COMBINE_MAX_SPLITS))
+
+
+def paged_prefill_attention(q, k_cache, v_cache, pages, start: int, scale, block_m: int = 64,
+                            splits: int | None = None):
+    """See ref_paged_prefill_attention. pages: int32 tensor of the sequence's page ids. `splits`
+    (default: prefill_splits) > 1 splits the keys flash-decoding style and combines by log-sum-exp."""
     if not use_triton(q):
         return ref_paged_prefill_attention(q, k_cache, v_cache, pages, start, scale)
     t, h, d = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     assert pages.is_contiguous() and q.stride(2) == 1
+    total_pages = -(-(start + t) // page)
+    if splits is None:
+        splits = prefill_splits(t, h, total_pages, block_m)
+    pps = -(-total_pages // max(1, min(splits, COMBINE_MAX_SPLITS)))
+    splits = -(-total_pages // pps)
     out = torch.empty_like(q)
-    _paged_prefill_kernel[(triton.cdiv(t, block_m), h)](
-        q, k_cache, v_cache, pages, out, start, t, scale,
+    if splits > 1:
+        o_part = torch.empty(t, h, splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse = out, out  # unused
+    _paged_prefill_kernel[(triton.cdiv(t, block_m), h, splits)](
+        q, k_cache, v_cache, pages, out, o_part, lse, start, t, scale, pps,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
-        G=h // kvh, D=d, PAGE=page, BM=block_m,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0,
+        lse.stride(0), lse.stride(1),
+        G=h // kvh, D=d, PAGE=page, BM=block_m, SPLIT=splits > 1,
         num_warps=8, num_stages=2 if q.is_cuda else 1,
     )
+    if splits > 1:
+        _decode_combine_kernel[(t, h)](
+            o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), splits, H=h, SP=COMBINE_MAX_SPLITS, D=d,
+            num_warps=4,
+        )
     return out
 
 
@@ -414,10 +488,8 @@ def silu_mul(gu):
 
 
 # ------------------------------------------------------------------------------------------------
-# decode/prefill glue fused: conv-state update (+SiLU) and q/k RMSNorm + partial RoPE.
-# Checked against their references (CPU interpreter, and bf16 on the H200), but NOT yet wired into
-# GpuQwen35Runner: the end-to-end parity and timing run with them did not fit this session's
-# device time, so the runner keeps the measured torch glue until that run is made.
+# decode/prefill glue fused: conv-state update (+SiLU) and q/k RMSNorm + partial RoPE (one launch
+# each where the torch glue took ~7 and ~25); GpuQwen35Runner uses both.
 # ------------------------------------------------------------------------------------------------
 def ref_conv_update(mixed, conv_all, weight, slots):
     """One new column per lane: silu(depthwise conv over [state | x]); the state shifts in place.
@@ -495,6 +567,55 @@ if HAVE_TRITON:
         hvec = tl.zeros([D], dtype=tl.int32) + h
         tl.store(QO + n * s_qon + hq * s_qoh + d, out, mask=hvec < H)
         tl.store(KO + n * s_kon + hk * s_koh + d, out, mask=hvec >= H)
+
+
+def ref_conv_prefill(x, conv_all, weight, slot: int):
+    """T new rows of one sequence: x [T, C] (rows may be strided) -> silu(causal depthwise conv over
+    [state | x]) [T, C]; the slot's state [C, K-1] becomes the last K-1 inputs (in place)."""
+    from ninfer_qwen35.gdn import causal_conv_prefill
+
+    out, new = causal_conv_prefill(x.t(), conv_all[slot], weight)
+    conv_all[slot] = new.to(conv_all.dtype)
+    return out.t().contiguous()
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["T"])
+    def _conv_prefill_kernel(X, STATE, W, OUT, T, C, s_xt, s_ot, BT: tl.constexpr, BC: tl.constexpr):
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tm = t < T
+        cm = c < C
+        acc = tl.zeros([BT, BC], tl.float32)
+        for j in tl.static_range(4):  # tap j reads input time t - 3 + j: x, or the cached state
+            src = t - 3 + j
+            from_x = src >= 0
+            xv = tl.load(X + src.to(tl.int64)[:, None] * s_xt + c[None, :],
+                         mask=(from_x & tm)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            sv = tl.load(STATE + c[None, :] * 3 + (3 + src)[:, None],
+                         mask=((~from_x) & tm)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            w = tl.load(W + c * 4 + j, mask=cm, other=0.0).to(tl.float32)
+            acc += (xv + sv) * w[None, :]
+        out = acc * tl.sigmoid(acc)
+        tl.store(OUT + t.to(tl.int64)[:, None] * s_ot + c[None, :], out.to(OUT.dtype.element_ty),
+                 mask=tm[:, None] & cm[None, :])
+
+
+def conv_prefill(x, conv_all, weight, slot: int):
+    """See ref_conv_prefill (kernel width 4, T >= 3): one pass over the chunk instead of
+    transpose + cat + conv1d + SiLU + transpose; the state update is one strided copy after it."""
+    t, c = x.shape
+    if not use_triton(x) or weight.shape[-1] != 4 or t < 3:
+        return ref_conv_prefill(x, conv_all, weight, slot)
+    assert x.stride(1) == 1 and conv_all.is_contiguous() and weight.is_contiguous()
+    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    state = conv_all[slot]
+    bt, bc = 32, 128
+    _conv_prefill_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
+        x, state, weight, out, t, c, x.stride(0), out.stride(0), BT=bt, BC=bc, num_warps=4)
+    state.copy_(x[t - 3:].t())  # after the kernel read the old state (same stream)
+    return out
 
 
 def conv_update(mixed, conv_all, weight, slots):

@@ -25,10 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer_core.engine.model_api import PAGE_SIZE, SeqView
-from ninfer_qwen35.gdn import causal_conv_prefill
 from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu.fla_glue import gdn_prefill
-from ninfer_qwen35.layers import apply_rotary
 from ninfer_qwen35.runner import Qwen35Runner
 
 log = logging.getLogger("ninfer.qwen35.gpu")
@@ -237,10 +235,7 @@ class GpuQwen35Runner(Qwen35Runner):
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
-        conv_all = self.cache.conv[i]
-        full = torch.cat([conv_all[slots], mixed[..., None]], dim=-1)  # [B, conv_dim, K]
-        conv_out = F.silu((full * mod.conv1d.weight[:, 0, :][None]).sum(-1))
-        conv_all[slots] = full[..., 1:]
+        conv_out = K.conv_update(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slots)
         core = K.gdn_decode_inplace(
             conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
             mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
@@ -256,9 +251,8 @@ class GpuQwen35Runner(Qwen35Runner):
         q, gate = qg[..., :hd], qg[..., hd:]
         k = proj[:, nh * 2 * hd : nh * 2 * hd + kvh * hd].view(n, kvh, hd)
         v = proj[:, nh * 2 * hd + kvh * hd :].view(n, kvh, hd)
-        q = apply_rotary(mod.q_norm(q), cos, sin)
-        k = apply_rotary(mod.k_norm(k), cos, sin)
-        return q.contiguous(), gate.reshape(n, nh * hd), k, v
+        q, k = K.qk_norm_rope(q, k, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps)
+        return q, gate.reshape(n, nh * hd), k, v
 
     def _attn_decode(self, i, mod, h, cos, sin, table, lens, wpage, wrow):
         q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
@@ -315,9 +309,7 @@ class GpuQwen35Runner(Qwen35Runner):
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
-        conv_all = self.cache.conv[i]
-        conv_out, new_conv = causal_conv_prefill(mixed.t(), conv_all[slot], mod.conv1d.weight[:, 0, :])
-        conv_all[slot] = new_conv.to(conv_all.dtype)
-        core = gdn_prefill(mod, conv_out.t().contiguous(), a_raw, b_raw, self.cache.ssm[i], slot)
+        conv_out = K.conv_prefill(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slot)
+        core = gdn_prefill(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
         out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
         return F.linear(out.reshape(t, vd), mod.out_proj.weight)
