@@ -113,6 +113,13 @@ def live_server(tiny_artifact, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def launch():
+    """launch_server itself, for module-scoped server fixtures (`from conftest import` is ambiguous
+    once several conftest.py files are loaded)."""
+    return launch_server
+
+
 @pytest.fixture
 def start_server(tiny_artifact, tmp_path):
     """Factory for short-lived servers with their own flags; all are stopped after the test."""

@@ -89,10 +89,8 @@ def completion(base: str, prompt, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_artifact, tmp_path_factory):
-    from conftest import launch_server
-
-    s = launch_server(tiny_artifact, "--api-key", KEY, "--max-context", "4096",
+def server(tiny_artifact, tmp_path_factory, launch):
+    s = launch(tiny_artifact, "--api-key", KEY, "--max-context", "4096",
                       "--max-private-continuations", "4", log_dir=tmp_path_factory.mktemp("metrics-logs"))
     yield s
     s.stop()

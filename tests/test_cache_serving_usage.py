@@ -20,10 +20,8 @@ def reused_total(base: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_artifact, tmp_path_factory):
-    from conftest import launch_server
-
-    s = launch_server(tiny_artifact, "--max-private-continuations", "4",
+def server(tiny_artifact, tmp_path_factory, launch):
+    s = launch(tiny_artifact, "--max-private-continuations", "4",
                       log_dir=tmp_path_factory.mktemp("usage-logs"))
     yield s
     s.stop()
