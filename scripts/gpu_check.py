@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--tests", nargs="*", default=["tests/gpu"], help="pytest paths (none: skip)")
     ap.add_argument("--bench", nargs="*", default=["qwen3.5-9b"], help="shapes to bench (none: skip)")
     ap.add_argument("--bench-args", default="", help="extra arguments for every ninfer bench run")
+    ap.add_argument("--shape-args", nargs=2, action="append", default=[], metavar=("SHAPE", "ARGS"),
+                    help="extra bench arguments for one shape only (after --bench-args)")
     ap.add_argument("--replay", nargs="*", default=[], help="shapes for the context-cache replay (none: skip)")
     ap.add_argument("--replay-args", default="--turns 2 --system-tokens 28000 --reply-tokens 16 --profile-replay",
                     help="extra arguments for every replay run")
@@ -66,7 +68,7 @@ def main() -> int:
                             *a.tests], os.path.join(a.out, "pytest.log"),
                             min(a.tests_timeout, max(60, left - 30)))
         lines = [ln for ln in text.splitlines() if ln.startswith(("PARITY", "graph vs", "8 concurrent", "tiny artifact",
-                                                                  "in-place GDN", "fla chunk", "lane "))
+                                                                  "in-place GDN", "fla chunk", "lane ", "MoE "))
                  or "rel err" in ln]
         tail = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or "error" in ln.lower()][-3:]
         summary.append(f"== GPU tests rc={rc} in {dt:.0f} s")
@@ -83,7 +85,7 @@ def main() -> int:
                 continue
             js = os.path.join(a.out, f"bench-{shape.replace('/', '_')}.json")
             cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js,
-                   *a.bench_args.split()]
+                   *a.bench_args.split(), *[x for sh, extra in a.shape_args if sh == shape for x in extra.split()]]
             rc, dt, text = run(cmd, os.path.join(a.out, f"bench-{shape.replace('/', '_')}.log"), left - 10)
             summary.append(f"== bench {shape} rc={rc} in {dt:.0f} s")
             start = text.find("ninfer bench  shape=")

@@ -23,6 +23,11 @@ def test_gdn_decode_inplace_real_heads():
     cases.gdn_decode("cuda", hk=16, hv=48, dk=128, dv=128, batch=3, tol=1e-4)
 
 
+def test_gdn_prefill_recurrent_real_heads():
+    cases.gdn_prefill_recurrent("cuda", hk=16, hv=32, dk=128, dv=128)
+    cases.gdn_prefill_recurrent("cuda", hk=16, hv=48, dk=128, dv=128)
+
+
 def test_gdn_decode_matches_fla_fused_recurrent():
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     from ninfer_qwen35.gpu import kernels as K

@@ -89,6 +89,43 @@ def gdn_decode(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, tol=1e-4):
     assert torch.equal(state[untouched], ref_state[untouched])
 
 
+def gdn_prefill_recurrent(device="cpu", hk=2, hv=4, dk=32, dv=64, tol=1e-4):
+    """The short-chunk recurrent GDN kernel against the per-token reference and against the chunked
+    reference (the math fla runs for long chunks)."""
+    from ninfer_qwen35 import gdn as ref_gdn
+
+    gen = torch.Generator(device=device).manual_seed(21)
+    conv = 2 * hk * dk + hv * dv
+    for t in (1, 5, 17):
+        mixed = torch.nn.functional.silu(torch.randn(t, conv, generator=gen, device=device))
+        proj = torch.randn(t, 2 * hv + 6, generator=gen, device=device)
+        a_raw, b_raw = proj[:, :hv], proj[:, hv:2 * hv]  # strided rows, as sliced from the projection
+        A_log = torch.rand(hv, generator=gen, device=device) * 2
+        dt_bias = torch.randn(hv, generator=gen, device=device)
+        state = torch.randn(4, hv, dk, dv, generator=gen, device=device)
+        ref_state = state.clone()
+        ref = K.ref_gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, ref_state, 1, hk, dk, dv, dk**-0.5)
+        out = K.gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, 1, hk, dk, dv, dk**-0.5)
+        e_out, e_state = rel(out, ref), rel(state, ref_state)
+        # the chunked reference from the same initial state
+        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q = q.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
+        k = k.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
+        g = -A_log.exp() * torch.nn.functional.softplus(a_raw + dt_bias)
+        qn = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
+        kn = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        init = torch.randn(hv, dk, dv, generator=gen, device=device)
+        state2 = state.clone()
+        state2[2] = init
+        o_chunk, s_chunk = ref_gdn.chunk_gated_delta_rule(qn, kn, v.reshape(t, hv, dv), g, torch.sigmoid(b_raw),
+                                                          init.clone())
+        out2 = K.gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state2, 2, hk, dk, dv, dk**-0.5)
+        e_chunk = max(rel(out2, o_chunk), rel(state2[2], s_chunk))
+        print(f"gdn prefill recurrent T={t}: out {e_out:.2e}, state {e_state:.2e}, vs chunked {e_chunk:.2e}")
+        assert e_out < tol and e_state < tol and e_chunk < 1e-3
+        assert torch.equal(state[[0, 2, 3]], ref_state[[0, 2, 3]])
+
+
 def runner_interpret():
     """The GPU runner with its Triton kernels (interpreted, fp32) against the reference runner."""
     import tempfile

@@ -36,6 +36,10 @@ def test_gdn_decode_inplace_matches_reference():
     _run("gdn_decode")
 
 
+def test_gdn_prefill_recurrent_matches_per_token_and_chunked_reference():
+    _run("gdn_prefill_recurrent")
+
+
 def test_gpu_runner_with_interpreted_kernels_matches_reference():
     _run("runner_interpret")
 

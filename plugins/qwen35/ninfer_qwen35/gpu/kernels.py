@@ -258,6 +258,82 @@ if HAVE_TRITON:
 COMBINE_MAX_SPLITS = 64
 
 
+def ref_gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot: int, hk, dk, dv, scale, eps=1e-6):
+    """T tokens of one sequence, one recurrent step after the other (ref_gdn_decode per token);
+    state[slot] is read and written in place. Returns [T, HV, dv]."""
+    slots = torch.tensor([slot], dtype=torch.int64, device=mixed.device)
+    outs = [ref_gdn_decode(mixed[i:i + 1], a_raw[i:i + 1], b_raw[i:i + 1], A_log, dt_bias, state, slots,
+                           hk, dk, dv, scale, eps) for i in range(mixed.shape[0])]
+    return torch.cat(outs)
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["T", "slot"])
+    def _gdn_prefill_recurrent_kernel(
+        MIXED, A_RAW, B_RAW, A_LOG, DT_BIAS, STATE, OUT, T, slot, scale, eps,
+        s_mt, s_at, s_bt, s_s0, s_s1, s_s2, s_ot, s_oh,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    ):
+        hv = tl.program_id(0)
+        iv = tl.program_id(1)
+        hk = hv // (HV // HK)
+        offs_k = tl.arange(0, DK)
+        offs_v = iv * BV + tl.arange(0, BV)
+        sp = STATE + slot * s_s0 + hv * s_s1 + offs_k[:, None] * s_s2 + offs_v[None, :]
+        s = tl.load(sp)
+        neg_a = -tl.exp(tl.load(A_LOG + hv).to(tl.float32))
+        dtb = tl.load(DT_BIAS + hv).to(tl.float32)
+        row = MIXED
+        a_ptr = A_RAW + hv
+        b_ptr = B_RAW + hv
+        o_ptr = OUT + hv * s_oh + offs_v
+        for _t in range(0, T):  # pointers advance one token per step
+            q = tl.load(row + hk * DK + offs_k).to(tl.float32)
+            k = tl.load(row + HK * DK + hk * DK + offs_k).to(tl.float32)
+            v = tl.load(row + 2 * HK * DK + hv * DV + offs_v).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+            x = tl.load(a_ptr).to(tl.float32) + dtb
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            beta = tl.sigmoid(tl.load(b_ptr).to(tl.float32))
+            s = s * tl.exp(neg_a * softplus)
+            kv = tl.sum(s * k[:, None], 0)
+            u = beta * (v - kv)
+            s = s + k[:, None] * u[None, :]
+            o = tl.sum(s * q[:, None], 0)
+            tl.store(o_ptr, o.to(OUT.dtype.element_ty))
+            row += s_mt
+            a_ptr += s_at
+            b_ptr += s_bt
+            o_ptr += s_ot
+        tl.store(sp, s)
+
+
+RECURRENT_PREFILL_MAX_T = 64
+
+
+def gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot: int, hk, dk, dv, scale, eps=1e-6):
+    """A short chunk (a capture-split tail, a few resumed tokens) in one launch: the decode step's
+    math looped over the tokens inside the kernel, the state held in registers. Replaces the gate
+    glue and fla's chunked kernels, whose launches dominate a chunk of a few tokens."""
+    if not use_triton(mixed):
+        return ref_gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot, hk, dk, dv, scale, eps)
+    t = mixed.shape[0]
+    hv = a_raw.shape[1]
+    out = torch.empty(t, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    bv = min(32, dv)
+    assert mixed.stride(1) == 1 and state.is_contiguous() and a_raw.stride(1) == 1 and b_raw.stride(1) == 1
+    _gdn_prefill_recurrent_kernel[(hv, triton.cdiv(dv, bv))](
+        mixed, a_raw, b_raw, A_log, dt_bias, state, out, t, slot, scale, eps,
+        mixed.stride(0), a_raw.stride(0), b_raw.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
+        num_warps=4,
+    )
+    return out
+
+
 def decode_split_pages(table_width: int) -> int:
     """Pages per split of the decode kernel: at most 64 splits over a block-table row."""
     return max(4, -(-table_width // 64))

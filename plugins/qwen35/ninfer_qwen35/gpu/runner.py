@@ -32,6 +32,7 @@ from ninfer_qwen35.runner import Qwen35Runner
 log = logging.getLogger("ninfer.qwen35.gpu")
 
 MAX_GRAPH_BATCH = 8
+MOE_GATHER_MAX_TOKENS = 8  # decode rounds: gathered-expert GEMVs; longer chunks loop over experts
 _META = 6  # token, position, slot, seq_len, write page, write row
 
 
@@ -105,7 +106,7 @@ class GpuQwen35Runner(Qwen35Runner):
 
     @property
     def graphs_enabled(self) -> bool:
-        return self.cuda_graph and self.device.type == "cuda" and not self.cfg.is_moe
+        return self.cuda_graph and self.device.type == "cuda"
 
     # ---- cache: one scratch page and one scratch slot past the engine's pool ------------------
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
@@ -264,9 +265,29 @@ class GpuQwen35Runner(Qwen35Runner):
 
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
-        if w is None:  # MoE block: its own forward
-            return mlp(h)
+        if w is None:
+            if h.shape[0] <= MOE_GATHER_MAX_TOKENS:
+                return self._moe_few_tokens(mlp, h)
+            return mlp(h)  # MoE block: its own forward (a loop over the experts that got tokens)
         return F.linear(K.silu_mul(F.linear(h, w)), mlp.down_proj.weight)
+
+    @staticmethod
+    def _moe_few_tokens(mlp, h):
+        """MoE for a decode round (a few tokens): the chosen experts' weights are gathered on the
+        device and applied as one batched GEMV each for gate/up and down. No expert counts come
+        back to the host, so the round has no synchronisation and is CUDA-graph safe."""
+        n, hidden = h.shape
+        top_w, top_i = mlp.gate(h)  # [N, k]
+        k = top_i.shape[1]
+        idx = top_i.reshape(-1)
+        ex = mlp.experts
+        x = h.repeat_interleave(k, dim=0)  # [N*k, H]
+        gu = torch.bmm(ex.gate_up_proj.index_select(0, idx), x[:, :, None])[..., 0]  # [N*k, 2I]
+        act = K.silu_mul(gu)
+        y = torch.bmm(ex.down_proj.index_select(0, idx), act[:, :, None])[..., 0]  # [N*k, H]
+        routed = (y.float() * top_w.reshape(-1, 1).float()).view(n, k, hidden).sum(1).to(h.dtype)
+        shared = torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+        return routed + shared
 
     # ---- prefill (and any multi-token forward) ---------------------------------------------
     def _forward(self, segs, tokens: list[int]) -> torch.Tensor:
@@ -310,6 +331,10 @@ class GpuQwen35Runner(Qwen35Runner):
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
         conv_out = K.conv_prefill(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slot)
-        core = gdn_prefill(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
+        if t <= K.RECURRENT_PREFILL_MAX_T and K.use_triton(conv_out):
+            core = K.gdn_prefill_recurrent(conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slot,
+                                           mod.hk, mod.dk, mod.dv, mod.dk**-0.5)
+        else:
+            core = gdn_prefill(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
         out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
         return F.linear(out.reshape(t, vd), mod.out_proj.weight)
