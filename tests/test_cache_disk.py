@@ -229,3 +229,56 @@ def test_a_foreign_profile_never_sees_the_files(tmp_path):
     assert a.dir != b.dir and os.path.dirname(a.dir) == os.path.dirname(b.dir)
     a.close(5)
     b.close(5)
+
+
+def test_an_evicted_conversation_is_read_out_in_batches_between_rounds(tmp_path, rng, monkeypatch):
+    import ninfer_core.engine.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "DISK_WRITE_BATCH_PAGES", 4)
+    eng = make(tmp_path, kv_capacity=40 * 64)  # no page pressure: A stays on Device until evicted
+    try:
+        reads: list[int] = []
+        read_pages = eng.runner.read_pages
+
+        def counted(pages):
+            reads.append(len(pages))
+            return read_pages(pages)
+
+        eng.runner.read_pages = counted
+        a = toks(rng, 900)
+        out_a = run(eng, a)
+        run(eng, toks(rng, 120))  # one continuation cell: A (905 tokens, 15 pages) is evicted
+        d = disk(eng)
+        # 14 full pages, a tail page and a StateImage: 16 reads of at most 4 pages, 4 batches.
+        assert d["writes"] == 1 and d["write_batches"] == 4 and d["abandoned_writes"] == 0
+        assert sum(reads) == 15 and max(reads) <= 4
+        assert (d["disk_pages"], d["disk_states"]) == (15, 1)
+        with eng._cv:
+            eng.cache.audit([])
+            assert not eng.cache.has_background_work()
+        nxt = a + out_a.token_ids + [7, 8]
+        again = run(eng, nxt)
+        assert again.finish.context["source"] == "private_endpoint" and again.token_ids == root(nxt)
+    finally:
+        eng.shutdown(timeout=30)
+
+
+def test_a_write_past_its_deadline_is_abandoned_and_the_prompt_recomputes(tmp_path, rng, monkeypatch):
+    import ninfer_core.engine.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "DISK_WRITE_DEADLINE_S", 0.0)
+    eng = make(tmp_path)
+    try:
+        a = toks(rng, 300)
+        out_a = run(eng, a)
+        run(eng, toks(rng, 120))  # A is evicted; its staged write is already past the deadline
+        d = disk(eng)
+        assert d["abandoned_writes"] == 1 and d["writes"] == 0 and d["disk_files"] == 0
+        assert files(tmp_path, ".page") == [] and files(tmp_path, ".state") == []
+        with eng._cv:
+            eng.cache.audit([])  # the abandoned write's memory was released
+        nxt = a + out_a.token_ids + [7, 8]
+        again = run(eng, nxt)
+        assert again.finish.context["source"] == "root" and again.token_ids == root(nxt)
+    finally:
+        eng.shutdown(timeout=30)

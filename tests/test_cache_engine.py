@@ -518,3 +518,91 @@ def test_a_full_host_tier_drops_its_stale_resident_to_take_a_demotion():
     o = run(eng, nxt, max_tokens=6)
     assert source_of(eng, sel) == "private_endpoint" and o.token_ids == root_output(nxt, 6)
     audit(eng)
+
+
+def _demote_kv(eng: Engine, ckpt) -> None:
+    """Move one checkpoint's KV pages to Host, as a pressure plan would."""
+    from ninfer_core.engine.cache_planner import Plan
+
+    with eng._cv:
+        _, _, entries, ckpts = eng.cache._pressure_view(None, eng.cache._clock())
+        eng.cache._apply(Plan(demote=[ckpt.id]), entries, ckpts)
+
+
+@pytest.mark.parametrize("host_pages,expect", [(5, "private_turn_closure"), (10, "private_endpoint")])
+def test_admission_degrades_to_a_shallower_checkpoint_when_the_room_costs_more(host_pages, expect):
+    rng = random.Random(22)
+    # 12 Device pages. A's endpoint (265 tokens) has its KV on Host, its turn closure (192, 3 pages)
+    # is on Device; X (305 tokens, 5 pages) is retained; 4 pages are free. A's next turn (366 prompt
+    # tokens, 6 pages) from the endpoint needs 2 more pages: with a full Host tier that costs A's
+    # closure (192) or X (305), more than prefilling the 73 tokens between closure and endpoint, so
+    # it resumes from the closure. With Host room, demoting the closure is cheap: the endpoint wins.
+    page_bytes = 64 * ToyRunner().cache_spec().kv_bytes_per_token
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8,
+                 host_kv_mib=host_pages * page_bytes / 2**20)
+    a = toks(rng, 260)
+    out_a = run(eng, a, max_tokens=6, hints=CheckpointHints(turn_closure=192))
+    with eng._cv:
+        (cont,) = [c for c in eng.cache.continuations if c is not None]
+        end = cont.endpoint().ckpt
+    _demote_kv(eng, end)
+    assert end.host_pages and end.frontier == 265
+    x = toks(rng, 300)
+    run(eng, x, max_tokens=6)
+    assert eng.snapshot()["pages_free"] == 4
+    nxt = a + out_a.token_ids + toks(rng, 100)
+    sel = selections(eng)
+    o = run(eng, nxt, max_tokens=6)
+    assert source_of(eng, sel) == expect
+    mat = o.finish.context["materialization"]
+    assert mat["best_reuse_prompt_tokens"] == 265 and mat["targets_evaluated"] == 3
+    if expect == "private_turn_closure":
+        assert o.finish.usage.cached_tokens == 192 and mat["degradation_tokens"] == 73
+        assert eng.snapshot()["context_cache"]["degraded_admissions"] == 1
+        with eng._cv:  # X and A's closure stayed
+            assert any(c is not None and c.session[:300] == tuple(x) for c in eng.cache.continuations)
+    else:
+        assert o.finish.usage.cached_tokens == 265 and mat["degradation_tokens"] == 0
+    assert o.token_ids == root_output(nxt, 6)
+    cc = eng.snapshot()["context_cache"]
+    assert cc["searches"]["started"] >= 1 and cc["searches"]["budget_exhausted"] == 0
+    audit(eng)
+
+
+def test_a_search_past_its_budget_takes_the_maximal_fallback(monkeypatch):
+    import ninfer_core.engine.cache_planner as planner_mod
+
+    rng = random.Random(23)
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8, host_kv_mib=0)
+    for _ in range(3):
+        run(eng, toks(rng, 150), max_tokens=6)  # three 3-page conversations, 3 pages free
+    monkeypatch.setattr(planner_mod, "SEARCH_WORK", 1)
+    p = toks(rng, 300)
+    assert run(eng, p, max_tokens=6).token_ids == root_output(p, 6)
+    cc = eng.snapshot()["context_cache"]
+    assert cc["searches"]["budget_exhausted"] >= 1 and cc["searches"]["maximal_fallback"] >= 1
+    assert cc["pressure"]["private_owner_evicted"] == 3  # everything evictable went
+    audit(eng)
+
+
+def test_pressure_events_and_searches_reach_metrics():
+    from ninfer_core.engine.cache_metrics import context_cache_metrics
+
+    rng = random.Random(24)
+    # As in the Host KV test: the third conversation demotes an earlier one's pages to Host.
+    eng = engine(kv_capacity=12 * 64, max_context=12 * 64, max_private_continuations=8)
+    for _ in range(3):
+        run(eng, toks(rng, 260), max_tokens=6, hints=CheckpointHints(turn_closure=250))
+    snap = eng.snapshot()
+    cc = snap["context_cache"]
+    lines = dict(line.rsplit(" ", 1) for line in context_cache_metrics(snap).splitlines()
+                 if not line.startswith("#"))
+    demoted = cc["pressure"]["private_owner_demoted"]
+    assert demoted >= 1 and demoted <= cc["pressure"]["private_owner_degraded"]
+    assert lines['ninfer:context_pressure_events_total{event="private_owner_demoted"}'] == str(demoted)
+    assert lines['ninfer:context_pressure_events_total{event="private_owner_degraded"}'] == \
+        str(cc["pressure"]["private_owner_degraded"])
+    assert int(lines['ninfer:context_pressure_searches_total{result="started"}']) == cc["searches"]["started"] >= 1
+    assert lines['ninfer:context_pressure_searches_total{result="budget_exhausted"}'] == "0"
+    assert lines['ninfer:context_pressure_searches_total{result="maximal_fallback"}'] == "0"
+    audit(eng)

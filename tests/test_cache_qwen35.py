@@ -271,7 +271,7 @@ def test_salvaged_cancelled_prefill_matches_root(model, root):
 def test_planner_degrade_to_turn_closure_matches_root(model, root):
     tok = model[2]
     # No Host KV and a small pool: the next conversation needs pages, and the planner drops only the
-    # first one's endpoint, keeping the turn closure its regenerate resumes from.
+    # first one's endpoint, keeping its turn closure.
     eng = engine(model, kv_capacity=7 * 64, max_context=7 * 64, max_private_continuations=4, host_kv_mib=0)
     a = chat(tok, [{"role": "user", "content": "Tell me about cost based eviction " * 4}])
     out = run(eng, a, max_tokens=80)  # closure near 155 (3 pages), endpoint near 239 (4 pages)
@@ -281,8 +281,20 @@ def test_planner_degrade_to_turn_closure_matches_root(model, root):
     run(eng, b, max_tokens=8)
     cc = eng.snapshot()["context_cache"]["pressure"]
     assert cc["checkpoint_dropped"] == 1 and cc["private_owner_evicted"] == 0
+    # The regenerate of A needs one more page: resuming at A's closure would evict B (its closure
+    # and endpoint, ~450 tokens to rebuild) to save ~140 tokens of prefill, so admission prices the
+    # reuse out (a degradation to root) and drops A's closure instead; B stays resident.
+    with eng._cv:
+        closure = next(e.ckpt.frontier for c in eng.cache.continuations if c is not None
+                       for e in c.entries if e.kind == "turn_closure" and e.ckpt.matches(a))
     s = sel(eng)
     o = run(eng, a, max_tokens=8)
-    assert source_delta(eng, s) == "private_turn_closure"
+    assert source_delta(eng, s) == "root"
+    mat = o.finish.context["materialization"]
+    assert mat["best_reuse_prompt_tokens"] == mat["degradation_tokens"] == closure and mat["resume_tokens"] == 0
+    assert eng.snapshot()["context_cache"]["degraded_admissions"] == 1
     assert o.token_ids == out.token_ids[:8] == root(a)
+    s = sel(eng)
+    assert run(eng, b, max_tokens=8).token_ids == root(b)  # B was kept: its regenerate resumes
+    assert source_delta(eng, s) == "private_turn_closure"
     idle(eng)

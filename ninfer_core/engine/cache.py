@@ -29,7 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.cache_host import HostPagePool
-from ninfer_core.engine.cache_planner import Extent, Item, Planner, likelihood
+from ninfer_core.engine.cache_planner import (
+    HOST_RESUME_COST,
+    Extent,
+    Item,
+    Planner,
+    Resume,
+    choose_resume,
+    combined_likelihood,
+    likelihood,
+    resume_work,
+    state_demotion_cost,
+)
 from ninfer_core.engine.checkpoints import (
     KIND_SOURCE,
     SOURCES,
@@ -46,6 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ninfer.engine.cache")
 
+DISK_WRITE_BATCH_PAGES = 16  # cache_disk.WRITE_BATCH_PAGES: pages read out per boundary
+DISK_WRITE_DEADLINE_S = 20.0  # spec "Disk tier": an evicted owner is written within 20 s
+MAX_RESUME_OPTIONS = 4  # resume points admission weighs under pressure: the deepest few and root
 ENDPOINT_ANCHOR_MIN_GAP = 1024  # spec: an endpoint anchor fires >= 1024 tokens above deeper anchors
 BRANCH_ANCHOR_MIN_GAP = 1024
 
@@ -149,6 +163,9 @@ class ContextCache:
         self.host_pages = HostPagePool(caps.host_kv_bytes // self.page_bytes if self.page_bytes else 0,
                                        self.page_bytes)
         self.spiller = None  # cache_spill.SlotSpiller with --auto-save-evicted
+        # Evicted continuations still being written to the disk tier, a batch per boundary; they
+        # keep their memory (out of the catalog) until read out or abandoned.
+        self._spilling: list[tuple[Continuation, Any]] = []
         self._prefix_memo: dict[tuple[int, int], bool] = {}
         self.continuations: list[Continuation | None] = [None] * caps.max_private_continuations
         self.shared: list[Entry] = []
@@ -159,7 +176,8 @@ class ContextCache:
             "pressure": dict.fromkeys(("private_owner_evicted", "shared_owner_evicted",
                                        "private_owner_degraded", "shared_owner_degraded",
                                        "private_owner_demoted", "checkpoint_dropped"), 0),
-            "searches": dict.fromkeys(("started", "infeasible"), 0),
+            "searches": dict.fromkeys(("started", "budget_exhausted", "maximal_fallback", "infeasible"), 0),
+            "degraded_admissions": 0, "degraded_tokens": 0,
             "captures_skipped": 0,
             "salvage": dict.fromkeys(("published", "cancelled_prefills", "cancelled_prefills_salvaged"), 0),
             "transfer_bytes": {"state_d2h": 0, "state_h2d": 0, "main_kv_d2h": 0, "main_kv_h2d": 0},
@@ -231,22 +249,112 @@ class ContextCache:
                 best = (c, owner, e.kind)
         return best
 
+    def candidates(self, prompt: list[int], session_id: str | None = None, limit: int = MAX_RESUME_OPTIONS
+                   ) -> list[tuple[Checkpoint, Continuation | None, str]]:
+        """Every distinct retained checkpoint the prompt could resume from, deepest first (the first
+        is `select`'s choice), at most `limit` of them."""
+        found: dict[int, tuple[Checkpoint, Continuation | None, str]] = {}
+        for owner, e in self._all_entries():
+            if e.kind == "response_replay" and (owner is None or owner.session_id != session_id):
+                continue
+            c = e.ckpt
+            have = found.get(c.id)
+            if have is not None and not (owner is None and have[1] is not None):
+                continue
+            if have is not None or c.matches(prompt):
+                found[c.id] = (c, owner, e.kind)
+        order = sorted(found.values(), key=lambda t: (-t[0].frontier, t[1] is not None))
+        return order[:limit]
+
     def make_room(self, seq: Sequence) -> bool:
         """Plan the head request's reuse and free pages (evicting inactive owners) until its
-        entitlement fits; False when it must wait."""
+        entitlement fits; False when it must wait.
+
+        Without pressure the request resumes from the deepest checkpoint. Under pressure the
+        resume points (the deepest few and root) are weighed: the request's own work from each plus
+        the plan that makes its room (cache_planner.choose_resume), so a request may resume from a
+        shallower checkpoint rather than evict a conversation dearer to rebuild than what it loses.
+        Active requests' pages are never victims. The decision is kept on the request
+        (`seq.cache_choice`) for `admit` and its completion report."""
+        seq.cache_choice = None
         if _opted_out(seq):  # cache_prompt false: prefilled from root, nothing shared
-            ckpt = None
+            cands = []
         else:
-            ckpt = self.select(seq.prompt_ids, _session(seq))[0]
-        if ckpt is None and self.disk is not None and self.disk.restore and not _opted_out(seq):
-            self._restore_from_disk(seq, self._clock())
-            ckpt = self.select(seq.prompt_ids, _session(seq))[0]
-        need = seq.entitlement_pages - self._shared_pages(ckpt) - self.pages.num_free
-        return need <= 0 or self.free_pages(need, keep=ckpt)
+            cands = self.candidates(seq.prompt_ids, _session(seq))
+            if not cands and self.disk is not None and self.disk.restore:
+                self._restore_from_disk(seq, self._clock())
+                cands = self.candidates(seq.prompt_ids, _session(seq))
+        deepest = cands[0] if cands else None
+        need = seq.entitlement_pages - self._shared_pages(deepest[0] if deepest else None) - self.pages.num_free
+        summary = {"resume_tokens": deepest[0].frontier if deepest else 0,
+                   "best_reuse_prompt_tokens": deepest[0].frontier if deepest else 0,
+                   "degradation_tokens": 0, "targets_evaluated": 1 if deepest else 0, "search_work": 0,
+                   "predicted_cost_tokens": 0.0, "budget_exhausted": False, "maximal_fallback": False,
+                   "stop_reason": "no_pressure"}
+        if need <= 0:
+            seq.cache_choice = {"resume": deepest, "summary": summary}
+            return True
+        pending = self._spill_pending_pages()
+        if pending >= need:
+            return False  # evicted owners are being written out a batch at a time; their pages follow
+        return self._admission_plan(seq, cands, summary, pending)
+
+    def _admission_plan(self, seq: Sequence, cands: list, summary: dict, pending: int = 0) -> bool:
+        now = self._clock()
+        items, extents, entries, ckpts = self._pressure_view(None, now)
+        planner = Planner(items, extents, self.host_pages.num_free)
+        options: list[Resume] = []
+        by_key: dict[Any, Any] = {}
+        free = self.pages.num_free + pending
+        for cand in list(cands[: MAX_RESUME_OPTIONS - 1]) + [None]:
+            ckpt = cand[0] if cand is not None else None
+            f = ckpt.frontier if ckpt is not None else 0
+            key = ckpt.id if ckpt is not None else "root"
+            by_key[key] = cand
+            keep = (ckpt.id,) if ckpt is not None and ckpt.id in planner.items else ()
+            options.append(Resume(key, f, resume_work(seq.prompt_len, f, bool(ckpt is not None and ckpt.host_pages)),
+                                  seq.entitlement_pages - self._shared_pages(ckpt) - free, keep))
+        self.counters["searches"]["started"] += 1
+        choice = choose_resume(planner, options)
+        if choice is not None and choice.budget_exhausted:
+            self.counters["searches"]["budget_exhausted"] += 1
+        if choice is None:
+            self.counters["searches"]["infeasible"] += 1
+            return False
+        plan = choice.plan
+        if plan.maximal_fallback:
+            self.counters["searches"]["maximal_fallback"] += 1
+        summary.update(resume_tokens=choice.resume.frontier, degradation_tokens=choice.degradation,
+                       targets_evaluated=choice.evaluated, search_work=choice.work,
+                       predicted_cost_tokens=round(choice.total, 1), budget_exhausted=choice.budget_exhausted,
+                       maximal_fallback=plan.maximal_fallback,
+                       stop_reason="work_budget" if choice.budget_exhausted else "queue_exhausted")
+        if plan.drop or plan.demote:
+            log.debug("context cache: admission resumes at %d of %d tokens; plan drops %d and demotes %d "
+                      "checkpoints (cost %.0f tokens)", choice.resume.frontier, choice.deepest.frontier,
+                      len(plan.drop), len(plan.demote), plan.cost)
+            self._apply(plan, entries, ckpts)
+        resume = by_key[choice.resume.key]
+        if self.pages.num_free < seq.entitlement_pages - self._shared_pages(resume[0] if resume else None):
+            return False
+        seq.cache_choice = {"resume": resume, "summary": summary}
+        return True
 
     def admit(self, seq: Sequence, now: float) -> None:
         """Give an admitted request its pages (shared prefix + fresh) and its reuse plan."""
-        ckpt, owner, kind = (None, None, None) if _opted_out(seq) else self.select(seq.prompt_ids, _session(seq))
+        choice = getattr(seq, "cache_choice", None)
+        if _opted_out(seq):
+            ckpt, owner, kind = None, None, None
+        elif choice is not None and (choice["resume"] is None or choice["resume"][0].refs > 0):
+            ckpt, owner, kind = choice["resume"] or (None, None, None)  # make_room's decision
+        else:
+            ckpt, owner, kind = self.select(seq.prompt_ids, _session(seq))
+        if choice is not None:
+            summary = choice["summary"]
+            seq.cache_materialization = summary
+            if summary["degradation_tokens"] > 0:
+                self.counters["degraded_admissions"] += 1
+                self.counters["degraded_tokens"] += summary["degradation_tokens"]
         plan = ReusePlan()
         if ckpt is not None:
             plan.ckpt, plan.owner, plan.kind = self._hold(ckpt), owner, kind
@@ -425,22 +533,45 @@ class ContextCache:
         return ckpt
 
     def _device_slot(self, now: float, limit: float = float("inf")) -> int | None:
-        """A free Device state slot, demoting the inactive image least likely to be resumed (every
-        image costs the same copy back) to Host."""
+        """A free Device state slot, demoting to Host the inactive image whose demotion costs least:
+        its reuse likelihood (all holders') times the cheaper of the copy back and rebuilding it
+        from the next shallower retained checkpoint (cache_planner.state_demotion_cost)."""
         if self._device_free:
             return self._device_free.pop()
-        victims = sorted({id(e.ckpt): e.ckpt for _, e in self._all_entries()
-                          if e.ckpt.device_slot is not None and e.ckpt.pins == 0}.values(),
-                         key=lambda c: likelihood(c.last_used, now))
-        for c in victims:
+        for c in self._demotion_order(now):
             if self._host_room(now, keep=c, limit=limit):
                 c.image = self.runner.capture_state(c.device_slot)
                 self.host_images += 1
                 self.counters["transfer_bytes"]["state_d2h"] += c.image.nbytes
-                self.counters["pressure"]["private_owner_degraded"] += 1
+                private = any(o is not None for o, e in self._all_entries() if e.ckpt is c)
+                if private:
+                    self.counters["pressure"]["private_owner_degraded"] += 1
+                    self.counters["pressure"]["private_owner_demoted"] += 1
+                else:
+                    self.counters["pressure"]["shared_owner_degraded"] += 1
                 slot, c.device_slot = c.device_slot, None
                 return slot
         return None
+
+    def _demotion_order(self, now: float) -> list[Checkpoint]:
+        """Inactive Device-resident StateImages, cheapest to demote first (ties: least recent)."""
+        holders: dict[int, list[float]] = {}
+        every: dict[int, Checkpoint] = {}
+        for owner, e in self._all_entries():
+            every[e.ckpt.id] = e.ckpt
+            last = max(e.ckpt.last_used, owner.last_used) if owner is not None else e.ckpt.last_used
+            holders.setdefault(e.ckpt.id, []).append(likelihood(last, now))
+        victims = [c for c in every.values() if c.device_slot is not None and c.pins == 0]
+        if not victims:
+            return []
+        copy_back = self.state_bytes * HOST_RESUME_COST / max(1, self.kv_bytes_per_token)
+
+        def cost(c: Checkpoint) -> float:
+            floor = max((p.frontier for p in every.values()
+                         if p is not c and p.frontier < c.frontier and self._is_prefix(p, c)), default=0)
+            return state_demotion_cost(combined_likelihood(holders[c.id]), copy_back, c.frontier - floor)
+
+        return sorted(victims, key=lambda c: (cost(c), c.last_used))
 
     def _host_room(self, now: float, keep: Checkpoint | None = None, limit: float = float("inf")) -> bool:
         """A free Host StateImage slot, dropping the Host images cheapest to rebuild when full."""
@@ -557,8 +688,7 @@ class ContextCache:
             [c for c in self.continuations if c is not None]
         victim = self._cheapest_owner(victims)
         self.counters["pressure"]["private_owner_evicted"] += 1
-        self._spill(victim)
-        self._release_continuation(victim)
+        self._evict(victim)
         return victim.slot
 
     def _cheapest_owner(self, conts: list[Continuation]) -> Continuation:
@@ -575,21 +705,82 @@ class ContextCache:
 
         return min(conts, key=lambda c: (cost(c), c.last_used))
 
-    def _spill(self, cont: Continuation) -> None:
-        """Before an involuntary eviction releases a continuation: write it to the disk tier, and
-        (--auto-save-evicted) back to the slot file it is bound to."""
-        if self.disk is not None:
-            try:
-                self.disk.write_continuation(self, cont)
-            except Exception:
-                log.exception("disk tier: writing an evicted continuation failed")
+    def _evict(self, cont: Continuation) -> None:
+        """An involuntary eviction: (--auto-save-evicted) the slot file it is bound to is written
+        back, then the continuation leaves the catalog. With a disk tier its write is staged and it
+        keeps its memory until the write is read out (`between_rounds`, at most 20 s)."""
         if self.spiller is not None and cont.filename:
             self.spiller.spill(self, cont)
+        self.continuations[cont.slot] = None
+        job = None
+        if self.disk is not None:
+            try:
+                job = self.disk.begin_write(self, cont, self._clock() + DISK_WRITE_DEADLINE_S)
+            except Exception:
+                log.exception("disk tier: staging an evicted continuation failed")
+        if job is None:
+            self._release_entries(cont)
+        else:
+            self._spilling.append((cont, job))
+
+    def between_rounds(self) -> None:
+        """At a boundary between decode rounds: read one batch of the staged disk writes out of the
+        engine; a write past its deadline is abandoned. Either way a finished job frees its memory."""
+        if not self._spilling:
+            return
+        now = self._clock()
+        budget = DISK_WRITE_BATCH_PAGES
+        for cont, job in list(self._spilling):
+            if budget > 0 and now < job.deadline:
+                try:
+                    budget -= self.disk.pump(self, job, budget)
+                except Exception:
+                    log.exception("disk tier: reading an evicted continuation failed")
+                    self.disk.abandon(job)
+            elif now >= job.deadline:
+                self.disk.abandon(job)
+            if job.done:
+                self._spilling.remove((cont, job))
+                self._release_entries(cont)
+
+    def has_background_work(self) -> bool:
+        return bool(self._spilling)
+
+    def drain_spills(self, deadline_s: float | None = None) -> None:
+        """Read every staged disk write out now (a restore, shutdown, clear), abandoning what is
+        left past `deadline_s`."""
+        end = None if deadline_s is None else self._clock() + deadline_s
+        for cont, job in list(self._spilling):
+            try:
+                while not job.done:
+                    if end is not None and self._clock() > end:
+                        self.disk.abandon(job)
+                        break
+                    self.disk.pump(self, job, DISK_WRITE_BATCH_PAGES)
+            except Exception:
+                log.exception("disk tier: reading an evicted continuation failed")
+                self.disk.abandon(job)
+            self._release_entries(cont)
+        self._spilling = []
+
+    def _spill_pending_pages(self) -> int:
+        """Device pages the staged disk writes will free once read out."""
+        if not self._spilling:
+            return 0
+        held: dict[int, int] = {}
+        for cont, _ in self._spilling:
+            for c in {id(e.ckpt): e.ckpt for e in cont.entries}.values():
+                if c.refs != sum(1 for e in cont.entries if e.ckpt is c):
+                    continue  # a running request holds it too
+                for p in c.pages:
+                    held[p] = held.get(p, 0) + 1
+        return sum(1 for p, n in held.items() if self.pages.refcount(p) == n)
 
     def on_shutdown(self) -> None:
         """Write every resident continuation to the disk tier (no forward runs any more) and wait
         for the writers: the disk tier at most 60 s, pending slot-file spills likewise."""
         if self.disk is not None:
+            self.drain_spills(60)
             for c in list(self.continuations):
                 if c is not None:
                     try:
@@ -605,6 +796,7 @@ class ContextCache:
         if getattr(seq, "disk_checked", False) or self.caps.max_private_continuations == 0:
             return
         seq.disk_checked = True
+        self.drain_spills(DISK_WRITE_DEADLINE_S)  # what is being written may be what it needs
         image = self.disk.lookup(seq.prompt_ids, now)
         if image is None:
             return
@@ -618,6 +810,9 @@ class ContextCache:
 
     def _release_continuation(self, cont: Continuation) -> None:
         self.continuations[cont.slot] = None
+        self._release_entries(cont)
+
+    def _release_entries(self, cont: Continuation) -> None:
         for e in cont.entries:
             self._drop(e.ckpt)
         cont.entries = []
@@ -652,10 +847,15 @@ class ContextCache:
         now = self._clock()
         items, extents, entries, ckpts = self._pressure_view(keep, now)
         self.counters["searches"]["started"] += 1
-        plan = Planner(items, extents, self.host_pages.num_free).plan(need_pages, need_host_images, limit)
+        planner = Planner(items, extents, self.host_pages.num_free)
+        plan = planner.plan(need_pages, need_host_images, limit)
+        if planner.last.budget_exhausted:
+            self.counters["searches"]["budget_exhausted"] += 1
         if plan is None:
             self.counters["searches"]["infeasible"] += 1
             return False
+        if plan.maximal_fallback:
+            self.counters["searches"]["maximal_fallback"] += 1
         log.debug("context cache: pressure plan drops %d and demotes %d checkpoints (cost %.0f tokens)",
                   len(plan.drop), len(plan.demote), plan.cost)
         self._apply(plan, entries, ckpts)
@@ -721,8 +921,7 @@ class ContextCache:
             if len(gone) == len(c.entries):
                 self.counters["pressure"]["private_owner_evicted"] += 1
                 touched.pop(id(c), None)
-                self._spill(c)
-                self._release_continuation(c)
+                self._evict(c)
                 continue
             touched[id(c)] = "private_degraded"
             for e in gone:
@@ -759,6 +958,8 @@ class ContextCache:
 
     def clear(self) -> None:
         """Release every retained owner (nothing active may hold a checkpoint then)."""
+        if self._spilling:
+            self.drain_spills(DISK_WRITE_DEADLINE_S)
         for c in list(self.continuations):
             if c is not None:
                 self._release_continuation(c)
@@ -776,6 +977,10 @@ class ContextCache:
         for _, e in self._all_entries():
             ckpts[id(e.ckpt)] = e.ckpt
             refs[id(e.ckpt)] = refs.get(id(e.ckpt), 0) + 1
+        for cont, _ in self._spilling:  # evicted, still being written to the disk tier
+            for e in cont.entries:
+                ckpts[id(e.ckpt)] = e.ckpt
+                refs[id(e.ckpt)] = refs.get(id(e.ckpt), 0) + 1
         for seq in lanes:
             plan = getattr(seq, "cache_plan", None)
             if plan is None:
@@ -839,6 +1044,9 @@ class ContextCache:
             "transfer_bytes": dict(self.counters["transfer_bytes"]),
             "searches": dict(self.counters["searches"]),
             "captures_skipped": self.counters["captures_skipped"],
+            "degraded_admissions": self.counters["degraded_admissions"],
+            "degraded_tokens": self.counters["degraded_tokens"],
+            "disk_writes_staged": len(self._spilling),
             "salvage": dict(self.counters["salvage"]),
             "disk": self.disk.snapshot() if self.disk is not None else None,
             "auto_save": self.spiller.snapshot() if self.spiller is not None else None,

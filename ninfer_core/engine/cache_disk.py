@@ -28,8 +28,14 @@ StateImage and whole KV chain are on disk and match its prompt; it is installed 
 continuation (so admission reuses it, reported by its checkpoint kind) and the prompt is prefilled
 from E. Pages are read by eight threads; a restore is abandoned after 8 seconds, and any miss, CRC
 failure or mismatch falls back to a shallower frontier or to recomputing the prompt, so a result
-never depends on the disk contents. Writes are read out of the engine on its thread (a fast copy)
-and encoded and written by a background writer; a lookup first waits for pending writes.
+never depends on the disk contents.
+
+Writes are staged (`begin_write`): the evicted continuation keeps its memory until its pages and
+StateImages are read out of the engine, `WRITE_BATCH_PAGES` pages at a time between decode rounds
+(`pump`, on the engine thread), so a large spill never holds the other lanes' decode for long; the
+batches are encoded and written by a background writer. A write not read out within
+`WRITE_DEADLINE_S` (20 s) is abandoned (`abandoned_writes`) and the memory released; a restore
+first finishes the staged writes and waits for the writer.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +69,9 @@ MAIN_SHARE = 0.85  # of --disk-kv-gib for KV pages; the rest holds StateImages (
 RESTORE_DEADLINE_S = 8.0
 READ_THREADS = 8
 ANCHORS_KEPT = 3  # the three earliest long anchors keep their tail page and StateImage
+WRITE_BATCH_PAGES = 16  # pages (a StateImage counts as one) read out of the engine per boundary
+WRITE_DEADLINE_S = 20.0  # a staged write not read out by then is abandoned
+SHUTDOWN_WRITE_S = 60.0
 
 
 def prefix_digests(tokens, at: set[int]) -> dict[int, str]:
@@ -130,6 +139,23 @@ class DiskFile:
     kind: str = ""  # a StateImage's checkpoint kind
 
 
+@dataclass(eq=False)
+class WriteJob:
+    """One evicted continuation's staged write: the reads still to do, in order."""
+
+    deepest: Any
+    tasks: list  # ("pages", [page index...]) | ("tail", ckpt, digest) | ("state", ckpt, key, kind)
+    digests: dict[int, str]
+    keys: set  # keys announced as pending (removed as their batches are written)
+    deadline: float
+    queued: list = field(default_factory=list)  # keys handed to the writer
+    files: int = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.tasks
+
+
 _PAGE_NAME = re.compile(r"^([0-9a-f]{16})\.page$")
 _STATE_NAME = re.compile(r"^([0-9a-f]{16})-(\d+)\.state$")
 
@@ -152,10 +178,12 @@ class DiskTier:
         self.states: dict[tuple[str, int], DiskFile] = {}  # (digest, frontier) -> file
         self.counters = {"writes": 0, "write_bytes": 0, "pages_written": 0, "states_written": 0,
                          "restores": 0, "restored_tokens": 0, "misses": 0, "crc_failures": 0,
-                         "abandoned": 0, "evicted_files": 0, "write_failures": 0}
+                         "abandoned": 0, "evicted_files": 0, "write_failures": 0, "write_batches": 0,
+                         "abandoned_writes": 0}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self._staged = 0  # WriteJobs not yet read out of the engine
         self._pending_keys: set = set()
         self._queue: queue.Queue = queue.Queue()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -204,12 +232,22 @@ class DiskTier:
 
     # -- writing (engine thread: read out; writer thread: encode and write) -------------------------
     def write_continuation(self, cache, cont) -> int:
-        """Read an evicted continuation's pages and StateImages out of the engine and queue them
-        for the writer; pages and states already on disk are not read again. Returns the number of
-        files queued."""
+        """Read a continuation's pages and StateImages out of the engine at once and queue them for
+        the writer (shutdown, tests); returns the number of files queued."""
+        job = self.begin_write(cache, cont, time.monotonic() + SHUTDOWN_WRITE_S)
+        if job is None:
+            return 0
+        while not job.done:
+            self.pump(cache, job, 1 << 30)
+        return job.files
+
+    def begin_write(self, cache, cont, deadline: float) -> WriteJob | None:
+        """Stage an evicted continuation's write: which pages and StateImages are not on disk yet
+        (nothing is read now). None when there is nothing to write. The caller keeps the
+        continuation's memory until `pump` reports the job done or it is abandoned."""
         deepest = cont.deepest()
         if deepest is None or deepest.frontier == 0:
-            return 0
+            return None
         ps = cache.page_size
         entries = sorted(cont.entries, key=lambda e: e.ckpt.frontier)
         anchors = [e.ckpt for e in entries if e.kind == "long_anchor"][:ANCHORS_KEPT]
@@ -218,46 +256,99 @@ class DiskTier:
         e_front = deepest.frontier
         at = {ps * (k + 1) for k in range(e_front // ps)} | {c.frontier for c in chosen}
         dig = prefix_digests(deepest.tokens, at)
-        jobs: list[tuple] = []
+        tasks: list = []
+        keys: set = set()
         with self._lock:
             known = set(self.pages) | {k for k in self._pending_keys if isinstance(k, str)}
             known_states = set(self.states) | {k for k in self._pending_keys if isinstance(k, tuple)}
-        # Full pages of the chain, read from the deepest checkpoint.
-        full = [k for k in range(e_front // ps) if dig[ps * (k + 1)] not in known]
-        if full:
-            data = _read_pages(cache, deepest, full)
-            for i, k in enumerate(full):
-                end = ps * (k + 1)
-                jobs.append(("page", dig[end], {"index": k, "rows": ps, "tokens": list(deepest.tokens[end - ps: end])},
-                             {n: t[i: i + 1] for n, t in data.items()}))
-        # Tail pages and StateImages of the chosen checkpoints, read from each checkpoint itself.
-        for c in chosen:
-            f = c.frontier
-            if f % ps and dig[f] not in known:
-                data = _read_pages(cache, c, [f // ps])
-                jobs.append(("page", dig[f], {"index": f // ps, "rows": f % ps,
-                                              "tokens": list(c.tokens[f - f % ps: f])}, data))
-                known.add(dig[f])
-            if (dig[f], f) not in known_states:
+            full = [k for k in range(e_front // ps) if dig[ps * (k + 1)] not in known]
+            if full:
+                tasks.append(("pages", full))
+                keys.update(dig[ps * (k + 1)] for k in full)
+            for c in chosen:
+                f = c.frontier
+                if f % ps and dig[f] not in known and dig[f] not in keys:
+                    tasks.append(("tail", c, dig[f]))
+                    keys.add(dig[f])
+                if (dig[f], f) not in known_states:
+                    kind = next(e.kind for e in entries if e.ckpt is c)
+                    tasks.append(("state", c, (dig[f], f), kind))
+                    keys.add((dig[f], f))
+            if not tasks:
+                return None
+            self._pending_keys.update(keys)
+            self._staged += 1
+        return WriteJob(deepest, tasks, dig, keys, deadline)
+
+    def pump(self, cache, job: WriteJob, budget: int = WRITE_BATCH_PAGES) -> int:
+        """Read up to `budget` pages (a StateImage counts as one) of a staged job out of the engine
+        and queue them for the writer; returns what it read."""
+        ps = cache.page_size
+        used = 0
+        batch: list[tuple] = []
+        while job.tasks and used < budget:
+            task = job.tasks[0]
+            if task[0] == "pages":
+                take, rest = task[1][: budget - used], task[1][budget - used:]
+                data = _read_pages(cache, job.deepest, take)
+                for i, k in enumerate(take):
+                    end = ps * (k + 1)
+                    batch.append(("page", job.digests[end], {"index": k, "rows": ps,
+                                                             "tokens": list(job.deepest.tokens[end - ps: end])},
+                                  {n: t[i: i + 1] for n, t in data.items()}))
+                used += len(take)
+                if rest:
+                    job.tasks[0] = ("pages", rest)
+                    continue
+            elif task[0] == "tail":
+                c, key = task[1], task[2]
+                f = c.frontier
+                batch.append(("page", key, {"index": f // ps, "rows": f % ps,
+                                            "tokens": list(c.tokens[f - f % ps: f])},
+                              _read_pages(cache, c, [f // ps])))
+                used += 1
+            else:
+                c, key, kind = task[1], task[2], task[3]
                 image = c.image if c.image is not None else cache.runner.capture_state(c.device_slot)
-                kind = next(e.kind for e in entries if e.ckpt is c)
-                jobs.append(("state", (dig[f], f), {"frontier": f, "kind": kind,
-                                                    "tokens_sha": tokens_hash(c.tokens)}, dict(image.tensors)))
-        if not jobs:
-            return 0
+                batch.append(("state", key, {"frontier": c.frontier, "kind": kind,
+                                             "tokens_sha": tokens_hash(c.tokens)}, dict(image.tensors)))
+                used += 1
+            job.tasks.pop(0)
+        final = not job.tasks
+        if batch:
+            job.files += len(batch)
+            job.queued.extend(j[1] for j in batch)
+            with self._lock:
+                self._pending += 1
+                if final:
+                    self._staged -= 1
+            self._queue.put((batch, final))
+        elif final:
+            with self._lock:
+                self._staged -= 1
+                self._idle.notify_all()
+        return used
+
+    def abandon(self, job: WriteJob) -> None:
+        """Give up a staged write past its deadline; what was already queued is still written."""
+        if job.done:
+            return
+        job.tasks = []
         with self._lock:
-            self._pending += 1
-            self._pending_keys.update(j[1] for j in jobs)
-        self._queue.put(jobs)
-        return len(jobs)
+            self._pending_keys.difference_update(job.keys - set(job.queued))
+            self._staged -= 1
+            self.counters["abandoned_writes"] += 1
+            self._idle.notify_all()
+        log.warning("disk tier: an evicted conversation's write was abandoned after %.0f s", WRITE_DEADLINE_S)
 
     def _write_loop(self) -> None:
         while True:
-            jobs = self._queue.get()
-            if jobs is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            jobs, final = item
             try:
-                self._write_jobs(jobs)
+                self._write_jobs(jobs, final)
             except Exception:
                 log.exception("disk tier: writing failed")
                 with self._lock:
@@ -268,7 +359,7 @@ class DiskTier:
                     self._pending_keys.difference_update(j[1] for j in jobs)
                     self._idle.notify_all()
 
-    def _write_jobs(self, jobs: list[tuple]) -> None:
+    def _write_jobs(self, jobs: list[tuple], final: bool = True) -> None:
         now = time.time()
         written_keys: set = set()
         n_bytes = 0
@@ -302,8 +393,11 @@ class DiskTier:
             written_keys.add(key)
             n_bytes += len(data)
         with self._lock:
-            self.counters["writes"] += 1
-        log.info("disk tier: wrote %d files (%d bytes) of an evicted conversation", len(written_keys), n_bytes)
+            self.counters["write_batches"] += 1
+            if final:
+                self.counters["writes"] += 1
+        log.debug("disk tier: wrote a batch of %d files (%d bytes)%s", len(written_keys), n_bytes,
+                  ", the last of a conversation" if final else "")
 
     def _make_room(self, kind: str, nbytes: int, protect: set) -> None:
         """Under the lock: drop the least recently used files of a class until `nbytes` fit."""
@@ -332,7 +426,7 @@ class DiskTier:
         """Wait for queued writes; False when they did not finish in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending:
+            while self._pending or self._staged:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False

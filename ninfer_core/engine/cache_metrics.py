@@ -11,8 +11,10 @@ from typing import Any
 
 from ninfer_core.engine.checkpoints import SOURCES
 
+# The spec's five events, and private_owner_demoted (a subset of private_owner_degraded: the
+# degradation moved the owner's KV or StateImage to Host, spec JSONL pressure.private_owners_demoted).
 PRESSURE_EVENTS = ("private_owner_evicted", "private_owner_degraded", "shared_owner_evicted",
-                   "shared_owner_degraded", "checkpoint_dropped")
+                   "shared_owner_degraded", "checkpoint_dropped", "private_owner_demoted")
 
 
 def family(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> list[str]:

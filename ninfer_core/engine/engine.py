@@ -52,6 +52,9 @@ def _context_report(seq: Sequence) -> dict | None:
         return None
     cont = getattr(seq, "retained", None)
     report: dict = {"source": source, "cache_n": seq.cache_n}
+    mat = getattr(seq, "cache_materialization", None)
+    if mat is not None:  # the admission's context-cache decision (spec request_done.materialization)
+        report["materialization"] = dict(mat)
     if cont is not None:
         report.update(id_slot=cont.slot, session_digest=cont.digest)
     return report
@@ -236,7 +239,8 @@ class Engine:
                     log.exception("context cache: writing the disk tier at shutdown failed")
 
     def _has_work_locked(self) -> bool:
-        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled or self._controls)
+        return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled or self._controls
+                    or (self.cache is not None and self.cache.has_background_work()))
 
     def _iteration(self) -> None:
         if self._controls:
@@ -252,8 +256,10 @@ class Engine:
                         if host:  # the admission waited for a Host -> Device copy
                             self.counters["context_transfer_seconds"] += time.monotonic() - t0
                     plan = seq.cache_plan
-                    log.info("request %s context: source=%s cache=%d prompt=%d captures=%d",
-                             seq.request_id, plan.source, seq.cache_n, seq.prompt_len, len(plan.captures))
+                    mat = getattr(seq, "cache_materialization", None) or {}
+                    log.info("request %s context: source=%s cache=%d prompt=%d captures=%d best_reuse=%d plan=%s",
+                             seq.request_id, plan.source, seq.cache_n, seq.prompt_len, len(plan.captures),
+                             mat.get("best_reuse_prompt_tokens", seq.cache_n), mat.get("stop_reason", "-"))
                 else:
                     self.runner.reset_slot(seq.slot)
             except Exception as exc:
@@ -308,6 +314,8 @@ class Engine:
                 ended.append((seq, EngineEvent("error", error=EngineError(
                     503, "request_queue_timeout",
                     "the request was not admitted before its pending timeout (--pending-timeout-ms)"))))
+            if self.cache is not None:  # a batch of the staged disk-tier writes, between rounds
+                self.cache.between_rounds()
             if admit:
                 admitted = self.scheduler.admit(self.options.concurrent_prefill)
                 for seq in admitted:
