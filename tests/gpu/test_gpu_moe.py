@@ -16,8 +16,9 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def moe():
-    from ninfer_core.bench.shapes import SHAPES
     from ninfer_qwen35.family import Qwen35Family
+
+    from ninfer_core.bench.shapes import SHAPES
 
     cfg = dict(SHAPES["qwen3.5-35b-a3b"])
     cfg["num_hidden_layers"] = 4

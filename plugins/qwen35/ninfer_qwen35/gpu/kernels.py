@@ -288,7 +288,7 @@ if HAVE_TRITON:
         a_ptr = A_RAW + hv
         b_ptr = B_RAW + hv
         o_ptr = OUT + hv * s_oh + offs_v
-        for _t in range(0, T):  # pointers advance one token per step
+        for _t in range(T):  # pointers advance one token per step
             q = tl.load(row + hk * DK + offs_k).to(tl.float32)
             k = tl.load(row + HK * DK + hk * DK + offs_k).to(tl.float32)
             v = tl.load(row + 2 * HK * DK + hv * DV + offs_v).to(tl.float32)
