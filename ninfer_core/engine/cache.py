@@ -277,14 +277,14 @@ class ContextCache:
         Active requests' pages are never victims. The decision is kept on the request
         (`seq.cache_choice`) for `admit` and its completion report."""
         seq.cache_choice = None
-        if _opted_out(seq):  # cache_prompt false: prefilled from root, nothing shared
-            cands = []
-        else:
-            cands = self.candidates(seq.prompt_ids, _session(seq))
-            if not cands and self.disk is not None and self.disk.restore:
+        deepest = None
+        if not _opted_out(seq):  # cache_prompt false: prefilled from root, nothing shared
+            deepest = self.select(seq.prompt_ids, _session(seq))
+            if deepest[0] is None and self.disk is not None and self.disk.restore:
                 self._restore_from_disk(seq, self._clock())
-                cands = self.candidates(seq.prompt_ids, _session(seq))
-        deepest = cands[0] if cands else None
+                deepest = self.select(seq.prompt_ids, _session(seq))
+            if deepest[0] is None:
+                deepest = None
         need = seq.entitlement_pages - self._shared_pages(deepest[0] if deepest else None) - self.pages.num_free
         summary = {"resume_tokens": deepest[0].frontier if deepest else 0,
                    "best_reuse_prompt_tokens": deepest[0].frontier if deepest else 0,
@@ -297,6 +297,8 @@ class ContextCache:
         pending = self._spill_pending_pages()
         if pending >= need:
             return False  # evicted owners are being written out a batch at a time; their pages follow
+        # Under pressure only: every resume point the prompt has (a catalog scan).
+        cands = self.candidates(seq.prompt_ids, _session(seq)) if deepest is not None else []
         return self._admission_plan(seq, cands, summary, pending)
 
     def _admission_plan(self, seq: Sequence, cands: list, summary: dict, pending: int = 0) -> bool:
@@ -803,6 +805,8 @@ class ContextCache:
         from ninfer_core.engine import cache_slots
 
         idx = self._free_cell()
+        if self._spilling:  # the cell's evicted owner: its memory is what the install may need
+            self.drain_spills(DISK_WRITE_DEADLINE_S)
         try:
             cache_slots.install(self, idx, image, None, now)
         except Exception as e:  # noqa: BLE001 - a restore that fails recomputes the prompt
@@ -840,6 +844,8 @@ class ContextCache:
         target = self.pages.num_free + need
         if need > 0:
             self._relieve(need_pages=need, keep=keep)
+            if self._spilling:  # a synchronous caller (slot restore) needs the pages now
+                self.drain_spills(DISK_WRITE_DEADLINE_S)
         return self.pages.num_free >= target
 
     def _relieve(self, need_pages: int = 0, need_host_images: int = 0, keep: Checkpoint | None = None,

@@ -469,10 +469,15 @@ class Engine:
         t = seq.timings() or {}
         # Counts and rates only: a log line never carries prompt or output text.
         # The completion line names the reuse path (spec: root, private_endpoint, ...) and cache=.
-        log.info("request %s %s (%s): prompt %d tokens, cache=%d via %s, in %.0f ms, %d output tokens at %.1f tok/s",
+        mat = getattr(seq, "cache_materialization", None)
+        log.info("request %s %s (%s): prompt %d tokens, cache=%d via %s, in %.0f ms, %d output tokens at %.1f tok/s%s",
                  seq.request_id, reason, stop_reason or "-", seq.prompt_len, t.get("cache_n", 0) or 0,
                  getattr(seq, "cache_source", None) or "root", t.get("prompt_ms", 0.0) or 0.0,
-                 len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0)
+                 len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0,
+                 # the admission's materialization decision, when it had to make room
+                 "" if not mat or mat["stop_reason"] == "no_pressure" else
+                 f" (best reuse {mat['best_reuse_prompt_tokens']}, degraded {mat['degradation_tokens']}, "
+                 f"search {mat['stop_reason']}{', maximal fallback' if mat['maximal_fallback'] else ''})")
         facts = seq.thinking.facts() if seq.thinking is not None else None
         if facts is not None:  # the requested budget, and the effective one when it differs
             budget = facts["budget_requested"]
