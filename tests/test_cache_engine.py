@@ -606,3 +606,38 @@ def test_pressure_events_and_searches_reach_metrics():
     assert lines['ninfer:context_pressure_searches_total{result="budget_exhausted"}'] == "0"
     assert lines['ninfer:context_pressure_searches_total{result="maximal_fallback"}'] == "0"
     audit(eng)
+
+
+def test_device_state_slots_demote_the_cheapest_image_not_the_least_recent():
+    from ninfer_core.engine.cache_planner import HOST_RESUME_COST
+
+    rng = random.Random(25)
+    eng = engine(device_state_slots=3, host_state_slots=8, max_private_continuations=4)
+    with eng._cv:  # a model whose StateImage copy back is worth 64 tokens of prefill
+        eng.cache.state_bytes = int(64 * eng.cache.kv_bytes_per_token / HOST_RESUME_COST)
+    b = toks(rng, 100)
+    run(eng, b, max_tokens=6)  # B: endpoint 105 (one Device slot)
+    a = toks(rng, 600)
+    out_a = run(eng, a, max_tokens=6, hints=CheckpointHints(turn_closure=590))  # closure 590, endpoint 605
+    with eng._cv:
+        cells = [c for c in eng.cache.continuations if c is not None]
+        cont_b = next(c for c in cells if c.session[:100] == tuple(b))
+        cont_a = next(c for c in cells if c.session[:600] == tuple(a))
+        for e in cont_b.entries:  # B went unused for a half life: LRU would demote it
+            e.ckpt.last_used -= 600
+        cont_b.last_used -= 600
+        assert eng.cache.device_slots_used == 3
+    # C's endpoint needs a Device slot. B: 0.5 x min(64, 105) = 32; A's endpoint: 1 x 15 tokens above
+    # its closure = 15; A's closure: 1 x 64. A's endpoint goes to Host.
+    run(eng, toks(rng, 80), max_tokens=6)
+    with eng._cv:
+        end_a = cont_a.endpoint().ckpt
+        assert end_a.device_slot is None and end_a.image is not None
+        assert all(e.ckpt.device_slot is not None for e in cont_b.entries)
+    cc = eng.snapshot()["context_cache"]
+    assert cc["pressure"]["private_owner_demoted"] == 1
+    nxt = a + out_a.token_ids + toks(rng, 5)
+    sel = selections(eng)
+    o = run(eng, nxt, max_tokens=6)
+    assert source_of(eng, sel) == "private_endpoint" and o.token_ids == root_output(nxt, 6)
+    audit(eng)
