@@ -119,3 +119,11 @@ def test_state_demotion_is_by_expected_cost_not_recency():
     shared = state_demotion_cost(combined_likelihood([0.5, 0.5]), copy_back, 1000)
     single = state_demotion_cost(combined_likelihood([0.5]), copy_back, 1000)
     assert shared > single and combined_likelihood([0.5, 0.5]) == pytest.approx(0.75)
+
+
+def test_an_impossible_need_is_refused_without_a_search():
+    items = [Item(f"c{i}", 100 + i) for i in range(6)]
+    ext = [pages(f"c{i}", count=1) for i in range(6)] + [pages("c0", "c1", count=3, pinned=True)]
+    planner = Planner(items, ext)
+    assert planner.plan(need_pages=7) is None and planner.last.work == 0
+    assert planner.plan(need_pages=6) is not None

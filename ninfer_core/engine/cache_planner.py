@@ -154,16 +154,19 @@ class Planner:
 
     # -- search -----------------------------------------------------------------------------------
     def plan(self, need_pages: int = 0, need_host_images: int = 0, limit: float = math.inf,
-             keep: Iterable[Hashable] = ()) -> Plan | None:
+             keep: Iterable[Hashable] = (), deadline: float | None = None) -> Plan | None:
         """The cheapest plan found that frees `need_pages` Device pages and `need_host_images` Host
         state slots, or None when none does (or every one costs more than `limit`). Items in `keep`
         (a resume point the request will copy from) are neither dropped nor demoted. The search
         spends at most the planner's work and time budget; past it the maximal plan (every other
-        item dropped) stands in when it covers the need (`self.last` says which happened)."""
+        item dropped) stands in when it covers the need (`self.last` says which happened).
+        `deadline` (monotonic) replaces the planner's own time budget, for several searches that
+        share one."""
         need_pages, need_host_images = max(0, need_pages), max(0, need_host_images)
         keep = frozenset(keep)
         self.last = search = Search()
-        deadline = time.monotonic() + self.seconds
+        if deadline is None:
+            deadline = time.monotonic() + self.seconds
 
         def progress(drop, demote) -> float:
             p = min(self.freed_pages(drop, demote), need_pages) / need_pages if need_pages else 0.0
@@ -176,6 +179,8 @@ class Planner:
         if target == 0:
             return Plan()
         search.stop_reason = "queue_exhausted"
+        if progress(self.evictable(keep), frozenset()) < target - 1e-9:
+            return None  # even every evictable checkpoint would not do: no search
         actions = [(kind, keys) for kind, keys in self._actions(need_pages > 0) if not keys & keep]
         done = progress(drop, demote)
         cost = 0.0
@@ -335,6 +340,7 @@ def choose_resume(planner: Planner, options: list[Resume]) -> Choice | None:
     if not options:
         return None
     deepest = options[0]
+    deadline = time.monotonic() + planner.seconds  # one time budget for every option's search
     best: Choice | None = None
     work = 0
     exhausted = False
@@ -342,7 +348,7 @@ def choose_resume(planner: Planner, options: list[Resume]) -> Choice | None:
         if r.need_pages <= 0:
             plan: Plan | None = Plan()
         else:
-            plan = planner.plan(need_pages=r.need_pages, keep=r.keep)
+            plan = planner.plan(need_pages=r.need_pages, keep=r.keep, deadline=deadline)
             work += planner.last.work
             exhausted = exhausted or planner.last.budget_exhausted
         if plan is None:
