@@ -316,13 +316,13 @@ class ContextCache:
             keep = (ckpt.id,) if ckpt is not None and ckpt.id in planner.items else ()
             options.append(Resume(key, f, resume_work(seq.prompt_len, f, bool(ckpt is not None and ckpt.host_pages)),
                                   seq.entitlement_pages - self._shared_pages(ckpt) - free, keep))
-        self.counters["searches"]["started"] += 1
         choice = choose_resume(planner, options)
         if choice is not None and choice.budget_exhausted:
             self.counters["searches"]["budget_exhausted"] += 1
-        if choice is None:
+        if choice is None:  # nothing frees enough: the head waits for running requests
             self.counters["searches"]["infeasible"] += 1
             return False
+        self.counters["searches"]["started"] += 1  # spec: plans accepted into a resource transaction
         plan = choice.plan
         if plan.maximal_fallback:
             self.counters["searches"]["maximal_fallback"] += 1
@@ -852,7 +852,6 @@ class ContextCache:
                  limit: float = float("inf")) -> bool:
         now = self._clock()
         items, extents, entries, ckpts = self._pressure_view(keep, now)
-        self.counters["searches"]["started"] += 1
         planner = Planner(items, extents, self.host_pages.num_free)
         plan = planner.plan(need_pages, need_host_images, limit)
         if planner.last.budget_exhausted:
@@ -860,6 +859,7 @@ class ContextCache:
         if plan is None:
             self.counters["searches"]["infeasible"] += 1
             return False
+        self.counters["searches"]["started"] += 1
         if plan.maximal_fallback:
             self.counters["searches"]["maximal_fallback"] += 1
         log.debug("context cache: pressure plan drops %d and demotes %d checkpoints (cost %.0f tokens)",
