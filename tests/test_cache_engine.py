@@ -565,7 +565,9 @@ def test_admission_degrades_to_a_shallower_checkpoint_when_the_room_costs_more(h
         assert o.finish.usage.cached_tokens == 265 and mat["degradation_tokens"] == 0
     assert o.token_ids == root_output(nxt, 6)
     cc = eng.snapshot()["context_cache"]
-    assert cc["searches"]["started"] >= 1 and cc["searches"]["budget_exhausted"] == 0
+    # A plan is counted when one is applied: the degraded admission made no room at all.
+    assert cc["searches"]["started"] == (0 if expect == "private_turn_closure" else 1)
+    assert cc["searches"]["budget_exhausted"] == 0
     audit(eng)
 
 

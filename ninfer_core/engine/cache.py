@@ -322,10 +322,7 @@ class ContextCache:
         if choice is None:  # nothing frees enough: the head waits for running requests
             self.counters["searches"]["infeasible"] += 1
             return False
-        self.counters["searches"]["started"] += 1  # spec: plans accepted into a resource transaction
         plan = choice.plan
-        if plan.maximal_fallback:
-            self.counters["searches"]["maximal_fallback"] += 1
         summary.update(resume_tokens=choice.resume.frontier, degradation_tokens=choice.degradation,
                        targets_evaluated=choice.evaluated, search_work=choice.work,
                        predicted_cost_tokens=round(choice.total, 1), budget_exhausted=choice.budget_exhausted,
@@ -335,6 +332,9 @@ class ContextCache:
             log.debug("context cache: admission resumes at %d of %d tokens; plan drops %d and demotes %d "
                       "checkpoints (cost %.0f tokens)", choice.resume.frontier, choice.deepest.frontier,
                       len(plan.drop), len(plan.demote), plan.cost)
+            self.counters["searches"]["started"] += 1  # spec: plans accepted into a resource transaction
+            if plan.maximal_fallback:
+                self.counters["searches"]["maximal_fallback"] += 1
             self._apply(plan, entries, ckpts)
         resume = by_key[choice.resume.key]
         if self.pages.num_free < seq.entitlement_pages - self._shared_pages(resume[0] if resume else None):
