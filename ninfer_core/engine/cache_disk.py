@@ -93,16 +93,9 @@ def tokens_hash(tokens) -> str:
 
 
 def pack(magic: bytes, header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
-    table, blobs, off = [], [], 0
-    for name, t in sorted(tensors.items()):
-        t = t.detach().to("cpu").contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                      "offset": off, "nbytes": len(raw)})
-        blobs.append(raw)
-        off += len(raw)
+    table, blob = cache_slots.tensor_blob(sorted(tensors.items()))
     head = json.dumps({**header, "tensors": table}, separators=(",", ":")).encode()
-    body = _LEN.pack(len(head)) + head + b"".join(blobs)
+    body = _LEN.pack(len(head)) + head + blob
     return magic + _CRC.pack(zlib.crc32(body)) + body
 
 

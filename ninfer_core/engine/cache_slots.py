@@ -198,30 +198,33 @@ def _check_digest(cont: Continuation, if_digest: str | None) -> None:
 
 
 # -- host side: bytes ---------------------------------------------------------------------------
-def encode(image: SlotImage) -> bytes:
+def tensor_blob(named: list[tuple[str, torch.Tensor]]) -> tuple[list[dict], bytes]:
+    """The raw bytes of each tensor (on the host, contiguous) one after another, and the table that
+    names each one's dtype, shape, offset and size; shared by slot files and disk-tier files."""
     table, blobs, off = [], [], 0
-
-    def add(name: str, t: torch.Tensor) -> None:
-        nonlocal off
+    for name, t in named:
         t = t.detach().to("cpu").contiguous()
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
         table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                       "offset": off, "nbytes": len(raw)})
         blobs.append(raw)
         off += len(raw)
+    return table, b"".join(blobs)
 
-    for name, t in sorted(image.kv.items()):
-        add(f"kv/{name}", t)
+
+def encode(image: SlotImage) -> bytes:
+    named = [(f"kv/{name}", t) for name, t in sorted(image.kv.items())]
     ckpts = []
     for i, c in enumerate(image.checkpoints):
         names = []
         for name, t in sorted(c["state"].items()):
-            add(f"state/{i}/{name}", t)
+            named.append((f"state/{i}/{name}", t))
             names.append(name)
         ckpts.append({"kind": c["kind"], "frontier": c["frontier"], "state": names})
+    table, blob = tensor_blob(named)
     header = json.dumps({"compat": image.compat, "session": image.session, "checkpoints": ckpts,
                          "tensors": table}, separators=(",", ":")).encode()
-    body = _HEAD.pack(MAGIC, VERSION, len(header)) + header + b"".join(blobs)
+    body = _HEAD.pack(MAGIC, VERSION, len(header)) + header + blob
     return body + hashlib.sha256(body).digest()
 
 
