@@ -26,7 +26,7 @@ from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.detok import OutputText
 from ninfer_core.engine.model_api import PAGE_SIZE, ModelRunner, SeqView
 from ninfer_core.engine.pages import PagePool, pages_for
-from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus
+from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus, post_batch
 from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.slots import SlotPool
@@ -101,6 +101,16 @@ class Engine:
         self._order = itertools.count()
         self.counters = dict.fromkeys(COUNTERS + UNIT_COUNTERS, 0)
         self._controls: list = []  # (fn, concurrent.futures.Future) run by the worker at a boundary
+        # Events the worker produced, delivered together by `_flush` (one wakeup of each event loop
+        # per decode round instead of one per token). Worker thread only. A runner whose forwards
+        # only launch device work (CUDA) gets a round's events once the next forward is launched,
+        # so the server turns them into HTTP chunks while the device computes, instead of holding
+        # the GIL while the worker prepares that launch; others get them at the end of the round.
+        self._outbox: list = []
+        launches_async = getattr(runner, "launches_async", None)
+        if launches_async is None:
+            launches_async = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
+        self._flush_after_launch = bool(launches_async)
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -204,6 +214,7 @@ class Engine:
         return fut
 
     def _run_controls(self) -> None:
+        self._flush()
         with self._cv:
             controls, self._controls = self._controls, []
         for fn, fut in controls:
@@ -220,6 +231,10 @@ class Engine:
         try:
             while True:
                 with self._cv:
+                    idle = not self._stopping and not self._has_work_locked()
+                if idle:
+                    self._flush()
+                with self._cv:
                     while not self._stopping and not self._has_work_locked():
                         self._cv.wait()
                     if self._stopping:
@@ -230,6 +245,7 @@ class Engine:
                     log.exception("engine iteration failed")
                     self._fail_everything(EngineError(500, "server_error", f"engine failure: {exc}"))
         finally:
+            self._flush()
             self._fail_all_on_shutdown()
             if self.cache is not None:  # the disk tier keeps what is still resident
                 try:
@@ -283,6 +299,8 @@ class Engine:
             self._boundary(admit=False)
             if staged.status is SeqStatus.PREFILL:
                 self._prefill_chunk(staged)
+        if not self._flush_after_launch:
+            self._flush()
 
     def _boundary(self, admit: bool) -> list[Sequence]:
         """Apply cancellations and queue timeouts, then admit; returns the newly admitted lanes."""
@@ -321,6 +339,8 @@ class Engine:
                 for seq in admitted:
                     seq.t_admit = now
                     self.counters["prompt_tokens_total"] += seq.prompt_len
+        if ended or admitted:
+            self._flush()
         for seq, event in ended:
             seq.post(event)
         for seq in admitted:
@@ -335,6 +355,8 @@ class Engine:
         t0 = time.monotonic()
         try:
             logits = self.runner.decode(views, [s.last_token for s in batch])
+            if self._flush_after_launch:
+                self._flush()  # the previous round's events, while the device computes this one
             tokens = sample(logits, [s.sampler for s in batch])
             forced = [s.thinking.next_forced() for s in batch]  # an early close commits unsampled
             tokens = [t if f is None else f for t, f in zip(tokens, forced)]
@@ -351,6 +373,8 @@ class Engine:
         for s, token, record in zip(batch, tokens, records):
             s.num_cached += 1
             self._commit(s, token, record)
+        if not self._flush_after_launch:
+            self._flush()
 
     @staticmethod
     def _logprob_records(logits, seqs: list[Sequence], tokens: list[int], forced: list) -> list:
@@ -377,6 +401,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             logits = self.runner.prefill(view, chunk)
+            self._flush()
             if last and seq.request.score_token_ids:
                 seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
             token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
@@ -431,7 +456,17 @@ class Engine:
             seq.thinking.start_early_close()
             if text:
                 ids, seq.unsent_ids = seq.unsent_ids, []
-                seq.post(EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
+                self._post(seq, EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
+
+    def _post(self, seq: Sequence, event: EngineEvent) -> None:
+        """Queue an event for the next `_flush` (events posted directly flush first: order kept)."""
+        if seq.handle is not None:
+            self._outbox.append((seq.handle, event))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            post_batch(outbox)
 
     @staticmethod
     def _take_logprobs(seq: Sequence) -> list | None:
@@ -460,8 +495,8 @@ class Engine:
             self._end_locked(seq, "requests_completed")
         if text or seq.unsent_ids:
             ids, seq.unsent_ids = seq.unsent_ids, []
-            seq.post(EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
-        seq.post(self._finish_event(seq, reason, stop_reason))
+            self._post(seq, EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
+        self._post(seq, self._finish_event(seq, reason, stop_reason))
 
     def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
@@ -499,6 +534,7 @@ class Engine:
             if seq.status is SeqStatus.FINISHED:
                 return
             self._end_locked(seq, "requests_failed")
+        self._flush()
         seq.post(EngineEvent("error", error=err))
 
     def _fail_everything(self, err: EngineError) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
@@ -27,8 +28,11 @@ TERMINAL_KINDS = ("finish", "error")
 class RequestHandle:
     """What `Engine.submit` returns: an async stream of EngineEvents and a cancel switch.
 
-    Events are put on an asyncio.Queue of the loop that submitted, from the worker thread through
-    `loop.call_soon_threadsafe`; the stream ends after the "finish" or "error" event.
+    The worker thread delivers events onto the loop that submitted (`loop.call_soon_threadsafe`):
+    one event with `post`, or every lane's events of a decode round at once with `post_batch` (one
+    wakeup of each loop per round, not one per token). They wait in a deque; `events()` reads them
+    one by one, `events().batches(keepalive_s)` as lists of everything already delivered. The
+    stream ends after the "finish" or "error" event.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
@@ -37,27 +41,111 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens  # the effective output limit the engine runs with
         self._loop = loop
-        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._items: collections.deque[EngineEvent] = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self._cancel = cancel
         self._done = False
 
     def post(self, event: EngineEvent) -> None:
         """Deliver an event from any thread; a closed loop means nobody is listening any more."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._deliver, (event,))
         except RuntimeError:
             pass
 
-    async def events(self) -> AsyncIterator[EngineEvent]:
-        while not self._done:
-            event = await self._queue.get()
-            if event.kind in TERMINAL_KINDS:
-                self._done = True
-            yield event
+    def _deliver(self, events) -> None:  # on the loop
+        self._items.extend(events)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Until something is delivered, or `timeout` seconds pass (None: no limit)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            waiter = self._waiter = self._loop.create_future()
+        timer = None if timeout is None else self._loop.call_later(timeout, _time_out, waiter)
+        try:
+            await waiter
+        finally:
+            if self._waiter is waiter:
+                self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def events(self) -> EventStream:
+        return EventStream(self)
 
     def cancel(self) -> None:
         """Thread-safe and idempotent; the worker releases the request at its next boundary."""
         self._cancel()
+
+
+def _time_out(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def post_batch(items: list[tuple[RequestHandle, EngineEvent]]) -> None:
+    """Deliver (handle, event) pairs in order from the worker thread with one wakeup per loop."""
+    if not items:
+        return
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for handle, event in items:
+        by_loop.setdefault(handle._loop, []).append((handle, event))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_pairs, pairs)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            pass
+
+
+def _deliver_pairs(pairs) -> None:  # on the loop
+    for handle, event in pairs:
+        handle._deliver((event,))
+
+
+class EventStream:
+    """A handle's events as an async iterator (ends after the terminal event). `batches` yields
+    lists of all events already delivered, or None after `keepalive_s` seconds without one."""
+
+    def __init__(self, handle: RequestHandle):
+        self._h = handle
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        h = self._h
+        if h._done:
+            raise StopAsyncIteration
+        while not h._items:
+            await h._wait(None)
+        event = h._items.popleft()
+        if event.kind in TERMINAL_KINDS:
+            h._done = True
+        return event
+
+    async def aclose(self) -> None:
+        pass
+
+    async def batches(self, keepalive_s: float | None) -> AsyncIterator[list[EngineEvent] | None]:
+        h = self._h
+        while not h._done:
+            if not h._items:
+                await h._wait(keepalive_s)
+                if not h._items:
+                    yield None
+                    continue
+            batch = []
+            items = h._items
+            while items:
+                event = items.popleft()
+                batch.append(event)
+                if event.kind in TERMINAL_KINDS:
+                    h._done = True
+                    break
+            yield batch
 
 
 class Sequence:

@@ -42,9 +42,10 @@ from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
     EventStreamResponse,
+    event_batches,
+    json_text,
     sse_data,
     unless_disconnected,
-    with_keepalive,
 )
 
 log = logging.getLogger("ninfer.server")
@@ -172,75 +173,105 @@ class ChatCompletions:
         want_logprobs = plan.logprobs is not None
         pending: list[dict] = []  # records whose text is not yet published (held back by the decoder)
         n_calls = 0
+        enc = ChunkEncoder(cid, created, model_id, include_usage)
 
         def chunk(delta: dict, finish: str | None = None, records: list | None = None, **extra) -> str:
             lp = {"content": records, "refusal": None} if (want_logprobs and records is not None) else None
-            obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-            if include_usage:
-                obj["usage"] = None
-            obj.update(extra)
-            return sse_data(obj)
+            return enc.chunk(delta, finish, lp, **extra)
 
-        def chunks(events: list[OutputEvent]) -> list[str]:
+        def chunks(events: list[OutputEvent], result: list[str]) -> None:
             nonlocal pending, n_calls
-            result: list[str] = []
             for e in events:
                 if e.kind == "reasoning":
-                    result.append(chunk({"reasoning_content": e.text}))
+                    result.append(enc.text_delta("reasoning_content", e.text, None))
                 elif e.kind == "content":
                     records, pending = pending, []
-                    result.append(chunk({"content": e.text}, records=records))
+                    lp = {"content": records, "refusal": None} if want_logprobs else None
+                    result.append(enc.text_delta("content", e.text, lp))
                 else:
                     records, pending = pending, []
                     entry = {"index": n_calls, **out.call_json(e.tool_call)}
                     n_calls += 1
                     result.append(chunk({"tool_calls": [entry]}, records=records if records else None))
-            return result
 
         yield chunk({"role": "assistant", "content": ""})
+        # Every event already delivered is turned into its chunks and written as one body part.
+        parts: list[str] = []
         try:
-            async with aclosing(with_keepalive(handle.events(), ctx.keepalive_s)) as events:
-                async for ev in events:
-                    if ev is None:
+            async with aclosing(event_batches(handle.events(), ctx.keepalive_s)) as batches:
+                async for batch in batches:
+                    if batch is None:
                         yield KEEPALIVE
-                    elif ev.kind == "delta":
-                        out.counter.feed(ev.token_ids)
-                        pending += out.records(ev)
-                        for c in chunks(out.decoder.feed(ev.text)):
-                            yield c
-                    elif ev.kind == "error":
-                        yield sse_data(engine_error_body(ev.error))
-                        return
-                    elif ev.kind == "finish":
-                        if ev.finish_reason == "cancelled":
-                            yield sse_data(engine_error_body(_cancelled_error()))
+                        continue
+                    for ev in batch:
+                        if ev.kind == "delta":
+                            out.counter.feed(ev.token_ids)
+                            if want_logprobs:
+                                pending += out.records(ev)
+                            chunks(out.decoder.feed(ev.text), parts)
+                        elif ev.kind == "error":
+                            parts.append(sse_data(engine_error_body(ev.error)))
+                            yield "".join(parts)
                             return
-                        for c in chunks(out.decoder.finish()):
-                            yield c
-                        out.log_parse()
-                        finish = "tool_calls" if out.decoder.tool_calls else ev.finish_reason
-                        records = pending if pending else None
-                        timings = ev.timings or {}
-                        if include_usage:
-                            yield chunk({}, finish, records=records)
-                            choices = []
-                            if ctx.options.usage_chunk_choice:
-                                choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
-                            yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                            "model": model_id, "choices": choices,
-                                            "usage": usage_dict(ev, out.counter.count), "timings": timings,
-                                            **retained_session(ev)})
-                        else:
-                            yield chunk({}, finish, records=records, timings=timings, **retained_session(ev))
-                        yield DONE
-                        return
+                        elif ev.kind == "finish":
+                            if ev.finish_reason == "cancelled":
+                                parts.append(sse_data(engine_error_body(_cancelled_error())))
+                                yield "".join(parts)
+                                return
+                            chunks(out.decoder.finish(), parts)
+                            out.log_parse()
+                            finish = "tool_calls" if out.decoder.tool_calls else ev.finish_reason
+                            records = pending if pending else None
+                            timings = ev.timings or {}
+                            if include_usage:
+                                parts.append(chunk({}, finish, records=records))
+                                choices = []
+                                if ctx.options.usage_chunk_choice:
+                                    choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
+                                parts.append(sse_data({"id": cid, "object": "chat.completion.chunk",
+                                                       "created": created, "model": model_id, "choices": choices,
+                                                       "usage": usage_dict(ev, out.counter.count),
+                                                       "timings": timings, **retained_session(ev)}))
+                            else:
+                                parts.append(chunk({}, finish, records=records, timings=timings,
+                                                   **retained_session(ev)))
+                            parts.append(DONE)
+                            yield "".join(parts)
+                            return
+                    if parts:
+                        text, parts = "".join(parts), []
+                        yield text
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
             log.exception("chat stream failed")
-            yield sse_data(engine_error_body(internal_error(e)))
+            yield "".join(parts) + sse_data(engine_error_body(internal_error(e)))
             return
         yield sse_data(engine_error_body(EngineError(
             500, "internal_error", "The engine ended the request without finishing it.", type_="server_error")))
+
+
+class ChunkEncoder:
+    """SSE text of one stream's chat.completion.chunk events, byte for byte what `sse_data` makes of
+    the chunk object; a text delta (the per-token event) is the prebuilt head and tail around the
+    JSON string of its text instead of a whole object through the encoder."""
+
+    def __init__(self, cid: str, created: int, model_id: str, include_usage: bool):
+        self.cid, self.created, self.model_id, self.include_usage = cid, created, model_id, include_usage
+        self._head = (f'data: {{"id":{json_text(cid)},"object":"chat.completion.chunk","created":'
+                      f'{json_text(created)},"model":{json_text(model_id)},"choices":[{{"index":0,"delta":{{')
+        self._tail = ',"finish_reason":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def chunk(self, delta: dict, finish: str | None, lp: dict | None, **extra) -> str:
+        obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+               "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        if self.include_usage:
+            obj["usage"] = None
+        obj.update(extra)
+        return sse_data(obj)
+
+    def text_delta(self, key: str, text: str, lp: dict | None) -> str:
+        """== chunk({key: text}, None, lp); `key` is a plain identifier."""
+        return (f'{self._head}"{key}":{json_text(text)}}},"logprobs":'
+                f'{"null" if lp is None else json_text(lp)}{self._tail}')
 
 
 class _Output:

@@ -81,8 +81,12 @@ def public_model_id(options: ServeOptions, artifact: Any) -> str:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP (not 0): asyncio turns Nagle off (TCP_NODELAY) only on accepted sockets whose
+    # proto says TCP, and with Nagle on every small SSE write after the first waits for the client's
+    # delayed ACK (~40 ms); the listener's TCP_NODELAY is inherited by accepted sockets as well.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)

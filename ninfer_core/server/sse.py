@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
@@ -17,8 +18,14 @@ KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
 
 
+# One encoder for every event: json.dumps with non-default options builds a new JSONEncoder per
+# call; this is the same encoding (compact separators, UTF-8 text kept as is) without that cost.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+json_text = _ENCODER.encode
+
+
 def sse_data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json_text(obj)}\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -85,8 +92,17 @@ async def with_keepalive(events: AsyncIterator[T], interval_s: float) -> AsyncIt
     """Yield the items of `events`, and None whenever `interval_s` passes without one.
 
     The pending `__anext__` is never cancelled by a timeout (cancelling it would close the
-    engine's iterator); it is awaited again on the next turn.
+    engine's iterator); it is awaited again on the next turn. An engine handle's stream
+    (`batches`, see `event_batches`) is read without a task and a wait per event.
     """
+    if hasattr(events, "batches"):
+        async for batch in events.batches(interval_s):
+            if batch is None:
+                yield None
+            else:
+                for item in batch:
+                    yield item
+        return
     it = events.__aiter__()
     pending: asyncio.Future | None = None
     try:
@@ -106,6 +122,19 @@ async def with_keepalive(events: AsyncIterator[T], interval_s: float) -> AsyncIt
     finally:
         if pending is not None and not pending.done():
             pending.cancel()
+
+
+async def event_batches(events: AsyncIterator[T], interval_s: float) -> AsyncIterator[list[T] | None]:
+    """Like `with_keepalive`, but yields lists: every event already delivered when the reader gets
+    to them (an engine handle's stream hands over a decode round's backlog at once), so a stream
+    that fell behind writes its pending events as one body chunk. Other iterators: one-item lists."""
+    if hasattr(events, "batches"):
+        async for batch in events.batches(interval_s):
+            yield batch
+        return
+    async with aclosing(with_keepalive(events, interval_s)) as items:
+        async for item in items:
+            yield None if item is None else [item]
 
 
 async def _wait_disconnect(receive: Receive) -> None:
