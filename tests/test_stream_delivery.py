@@ -128,9 +128,9 @@ class _LaunchRunner(ToyRunner):
     launches_async = True  # the engine delivers a round's events after the next forward's launch
 
 
-def _run_mix(runner: ToyRunner) -> list:
+def _run_mix(runner: ToyRunner, prefix_reuse: bool) -> list:
     tok = ToyTokenizer()
-    eng = Engine(runner, tok, EngineOptions(max_context=256, max_concurrency=4))
+    eng = Engine(runner, tok, EngineOptions(max_context=256, max_concurrency=4, prefix_reuse=prefix_reuse))
     eng.start()
     rng = random.Random(3)
     reqs = [GenerationRequest(prompt_ids=[rng.randrange(0, 256) for _ in range(rng.randrange(3, 40))],
@@ -140,6 +140,7 @@ def _run_mix(runner: ToyRunner) -> list:
 
     async def go():
         outs = await asyncio.gather(*(collect(eng.submit(r)) for r in reqs))
+        outs += await asyncio.gather(*(collect(eng.submit(r)) for r in reqs[:2]))  # again: cache hits
         return [(o.kinds, o.token_ids, o.text, o.finish.finish_reason, o.finish.usage.completion_tokens,
                  [[(r.token_id, r.logprob) for r in (e.logprobs or [])] for e in o.events if e.kind == "delta"])
                 for o in outs]
@@ -150,8 +151,9 @@ def _run_mix(runner: ToyRunner) -> list:
         eng.shutdown(timeout=30)
 
 
-def test_launch_only_runner_delivery_changes_no_output():
-    assert _run_mix(_LaunchRunner()) == _run_mix(ToyRunner())
+@pytest.mark.parametrize("prefix_reuse", [False, True])
+def test_launch_only_runner_delivery_changes_no_output(prefix_reuse):
+    assert _run_mix(_LaunchRunner(), prefix_reuse) == _run_mix(ToyRunner(), prefix_reuse)
 
 
 def test_accepted_connections_have_nagle_off():
@@ -174,3 +176,37 @@ def test_accepted_connections_have_nagle_off():
         return flags
 
     assert run_async(go()) == [1]
+
+
+@pytest.mark.parametrize("runner_cls", [ToyRunner, _LaunchRunner])
+def test_engine_wakes_the_loop_once_per_round_not_per_token(runner_cls):
+    tok = ToyTokenizer()
+    # every token prints: the toy's logits pick among the printable bytes only
+    runner = runner_cls(policy=lambda prefix: 97 + (len(prefix) * 7) % 26)
+    eng = Engine(runner, tok, EngineOptions(max_context=256, max_concurrency=4))
+    eng.start()
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        calls = []
+        original = loop.call_soon_threadsafe
+
+        def counting(*args):
+            calls.append(args[0])
+            return original(*args)
+
+        loop.call_soon_threadsafe = counting
+        handles = [eng.submit(GenerationRequest(prompt_ids=[1, 2, 3 + i], sampling=SamplingParams(temperature=0.0),
+                                                max_tokens=24, ignore_eos=True)) for i in range(4)]
+        outs = await asyncio.gather(*(collect(h) for h in handles))
+        loop.call_soon_threadsafe = original
+        return calls, outs
+
+    try:
+        calls, outs = run_async(go())
+    finally:
+        eng.shutdown(timeout=30)
+    deltas = sum(o.kinds.count("delta") for o in outs)
+    assert all(len(o.token_ids) == 24 and o.finish is not None for o in outs)
+    assert deltas >= 4 * 20  # one event per token per stream...
+    assert len(calls) <= deltas // 2  # ...but a wakeup carries every lane's event of a round (per token: > deltas)

@@ -111,6 +111,7 @@ class Engine:
         if launches_async is None:
             launches_async = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
         self._flush_after_launch = bool(launches_async)
+        self._launches = 0  # forwards run so far (worker thread only)
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -259,6 +260,7 @@ class Engine:
                     or (self.cache is not None and self.cache.has_background_work()))
 
     def _iteration(self) -> None:
+        launches = self._launches
         if self._controls:
             self._run_controls()
         for seq in self._boundary(admit=True):
@@ -299,8 +301,8 @@ class Engine:
             self._boundary(admit=False)
             if staged.status is SeqStatus.PREFILL:
                 self._prefill_chunk(staged)
-        if not self._flush_after_launch:
-            self._flush()
+        if not self._flush_after_launch or self._launches == launches:
+            self._flush()  # no forward will carry them out (e.g. an iteration of background cache work)
 
     def _boundary(self, admit: bool) -> list[Sequence]:
         """Apply cancellations and queue timeouts, then admit; returns the newly admitted lanes."""
@@ -355,6 +357,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             logits = self.runner.decode(views, [s.last_token for s in batch])
+            self._launches += 1
             if self._flush_after_launch:
                 self._flush()  # the previous round's events, while the device computes this one
             tokens = sample(logits, [s.sampler for s in batch])
@@ -401,6 +404,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             logits = self.runner.prefill(view, chunk)
+            self._launches += 1
             self._flush()
             if last and seq.request.score_token_ids:
                 seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
