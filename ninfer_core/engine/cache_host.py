@@ -14,19 +14,19 @@ from typing import Any
 
 import torch
 
+from ninfer_core.engine.pages import RefCounted
 
-class HostPagePool:
+
+class HostPagePool(RefCounted):
+    label = "Host KV"
+
     def __init__(self, capacity_pages: int, page_bytes: int):
+        super().__init__()
         self.capacity = max(0, int(capacity_pages))
         self.page_bytes = page_bytes
         self._data: dict[int, dict[str, Any]] = {}  # host page -> {tensor name: [1, ...]}
-        self._refs: dict[int, int] = {}
         self._next = 0
         self._free_ids: list[int] = []
-
-    @property
-    def num_used(self) -> int:
-        return len(self._refs)
 
     @property
     def num_free(self) -> int:
@@ -35,9 +35,6 @@ class HostPagePool:
     @property
     def bytes_used(self) -> int:
         return self.num_used * self.page_bytes
-
-    def refcount(self, page: int) -> int:
-        return self._refs.get(page, 0)
 
     def store(self, tensors: dict[str, Any]) -> list[int]:
         """Keep copies of n pages ({name: tensor [n, ...]}); each new page has one reference."""
@@ -56,26 +53,9 @@ class HostPagePool:
         self._next += 1
         return self._next - 1
 
-    def share(self, pages: list[int]) -> list[int]:
-        bad = [p for p in pages if p not in self._refs]
-        if bad:
-            raise RuntimeError(f"Host KV: sharing pages not held: {bad}")
-        for p in pages:
-            self._refs[p] += 1
-        return list(pages)
-
-    def free(self, pages: list[int]) -> None:
-        bad = [p for p in pages if p not in self._refs]
-        if bad:
-            raise RuntimeError(f"Host KV: freeing pages not held: {bad}")
-        for p in pages:
-            n = self._refs[p] - 1
-            if n:
-                self._refs[p] = n
-            else:
-                del self._refs[p]
-                del self._data[p]
-                self._free_ids.append(p)
+    def _release(self, page: int) -> None:
+        del self._data[page]
+        self._free_ids.append(page)
 
     def gather(self, pages: list[int]) -> dict[str, Any]:
         """The pages' tensors stacked, {name: [len(pages), ...]} (what write_pages takes)."""

@@ -17,7 +17,50 @@ def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
     return -(-max(tokens, 0) // page_size)
 
 
-class PagePool:
+class RefCounted:
+    """Holders per page id, shared by the Device page pool and the Host KV tier: `share` adds one
+    holder to each page, `free` drops one and calls `_release` when the last holder is gone. An id
+    that is not held, or one named twice in a `free`, is an invariant failure."""
+
+    label = "pages"
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}  # allocated page -> holders
+
+    @property
+    def num_used(self) -> int:
+        return len(self._refs)
+
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def share(self, pages: list[int]) -> list[int]:
+        """Add one holder to each (allocated) page and return them; pair with `free`."""
+        bad = [p for p in pages if p not in self._refs]
+        if bad:
+            raise RuntimeError(f"{self.label}: sharing pages not held: {sorted(bad)}")
+        for p in pages:
+            self._refs[p] += 1
+        return list(pages)
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one holder of each page."""
+        bad = [p for p in pages if p not in self._refs]
+        if bad or len(set(pages)) != len(pages):
+            raise RuntimeError(f"{self.label}: freeing pages not held: {sorted(bad) or pages}")
+        for p in pages:
+            n = self._refs[p] - 1
+            if n:
+                self._refs[p] = n
+            else:
+                del self._refs[p]
+                self._release(p)
+
+    def _release(self, page: int) -> None:
+        raise NotImplementedError
+
+
+class PagePool(RefCounted):
     """A free list of page ids with reference counts; `allocate` and `free` are all-or-nothing.
 
     Freed pages are reused last-freed-first, so a sequence seldom gets a contiguous run and a
@@ -29,16 +72,12 @@ class PagePool:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        super().__init__()
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._refs: dict[int, int] = {}  # allocated page -> holders
 
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._refs)
 
     @property
     def capacity_tokens(self) -> int:
@@ -46,9 +85,6 @@ class PagePool:
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
-
-    def refcount(self, page: int) -> int:
-        return self._refs.get(page, 0)
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` pages; raises RuntimeError when fewer are free (the caller checks first)."""
@@ -59,24 +95,7 @@ class PagePool:
             self._refs[p] = 1
         return pages
 
-    def share(self, pages: list[int]) -> list[int]:
-        """Add one holder to each (allocated) page and return them; pair with `free`."""
-        bad = [p for p in pages if p not in self._refs]
-        if bad:
-            raise RuntimeError(f"page pool: sharing pages not held: {sorted(bad)}")
-        for p in pages:
-            self._refs[p] += 1
-        return list(pages)
+    label = "page pool"
 
-    def free(self, pages: list[int]) -> None:
-        """Drop one holder of each page; a page that is not allocated is an invariant failure."""
-        bad = [p for p in pages if p not in self._refs]
-        if bad or len(set(pages)) != len(pages):
-            raise RuntimeError(f"page pool: freeing pages not held: {sorted(bad) or pages}")
-        for p in pages:
-            n = self._refs[p] - 1
-            if n:
-                self._refs[p] = n
-            else:
-                del self._refs[p]
-                self._free.append(p)
+    def _release(self, page: int) -> None:
+        self._free.append(page)
