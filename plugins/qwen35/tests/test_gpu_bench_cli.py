@@ -41,9 +41,16 @@ def test_bench_smoke_run_writes_table_and_json(tiny, tmp_path):
     assert "prefill" in res["transformers"] and "32" in res["transformers"]["prefill"], res["transformers"]
     http = res["http"]
     assert "error" not in http, http
+    # random weights sample over the whole vocabulary; the tiny artifact's byte tokenizer gives
+    # text for a quarter of it, so the row runs on the bench's covering tokenizer
+    assert http["tokenizer"].startswith("bench"), http["tokenizer"]
+    assert "HTTP tokenizer: bench" in r.stdout
     for k in ("1", "2"):
         assert http[k]["tokens"] == int(k) * 6 and http[k]["engine_tokens"] == int(k) * 6
         assert http[k]["ratio"] > 0
+        # every generated token reaches the streams as a text event of its own (the per-token path)
+        assert http[k]["text_events"] == http[k]["tokens"], http[k]
+        assert http[k]["engine_text_events"] == http[k]["engine_tokens"], http[k]
     idle = http["idle_after"]
     assert idle["lanes_active"] == 0 and idle["pages_free"] == idle["pages_total"]
     prof = res["profile"]  # on the CPU there are no device kernels: the tables exist and are empty
@@ -107,3 +114,29 @@ def test_render_table_reports_missing_comparisons():
            "transformers": {"error": "ImportError: x"}, "http": {"error": "RuntimeError: y"}}
     text = render_table(res)
     assert "transformers: ImportError: x" in text and "HTTP: RuntimeError: y" in text
+
+
+@pytest.mark.parametrize("vocab", [512, 248320])
+def test_covering_tokenizer_gives_every_id_distinct_text(vocab):
+    from ninfer_qwen35.testing import minimal_tokenizer_section
+
+    from ninfer_core.bench.text_tokenizer import covering_section, text_coverage
+    from ninfer_core.tokenizer import Tokenizer
+    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+
+    tok = Tokenizer.from_section(covering_section(vocab))
+    assert tok.vocab_size == vocab
+    texts = [tok.decode([i]) for i in range(vocab)]
+    specials = [i for i in range(vocab) if tok.is_special(i)]
+    assert specials == [0, 1, 2, 3, 4]
+    plain = [t for i, t in enumerate(texts) if i not in specials]
+    assert all(t and t.isprintable() or t in ("\n", "\t") for t in plain)
+    assert len(set(plain)) == len(plain)
+    assert text_coverage(tok, vocab) == (vocab - 5) / vocab
+    # the bench's chat prompts encode below the vocabulary and round-trip
+    prompt = ChatTemplate(QWEN35_TEMPLATE).render(
+        [{"role": "user", "content": "Benchmark prompt number 7: say anything."}])
+    ids = tok.encode(prompt)
+    assert max(ids) < vocab and tok.decode(ids, skip_special=False) == prompt
+    # the byte tokenizer of the random shapes leaves almost all of a 248k vocabulary without text
+    assert text_coverage(Tokenizer.from_section(minimal_tokenizer_section()), vocab) < 0.3
