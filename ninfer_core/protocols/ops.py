@@ -151,13 +151,31 @@ def stats_report(ctx: ServerContext) -> dict[str, Any]:
     return report
 
 
+def mount_status_routes(router: APIRouter, ctx: ServerContext) -> None:
+    """GET /health, /v1/load, /metrics and /stats: on the main listener (through Ops) and alone on
+    the --stats-port listener."""
+    async def health() -> dict:
+        return {"status": "ok", "version": build_string()}
+
+    async def get_load() -> dict:
+        return load_report(ctx)
+
+    async def get_stats() -> dict:
+        return stats_report(ctx)
+
+    async def get_metrics() -> PlainTextResponse:
+        return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/v1/load", get_load, methods=["GET"])
+    router.add_api_route("/metrics", get_metrics, methods=["GET"])
+    router.add_api_route("/stats", get_stats, methods=["GET"])
+
+
 class Ops:
     name = "ops"
 
     def mount(self, router: APIRouter, ctx: ServerContext) -> None:
-        async def health() -> dict:
-            return {"status": "ok", "version": build_string()}
-
         async def api_index(request: Request) -> dict:
             owners = getattr(request.app.state, "routes", {})
             routes = [{"method": m, "path": p, "protocol": owners[(m, p)]}
@@ -177,23 +195,11 @@ class Ops:
         async def get_props() -> dict:
             return props(ctx)
 
-        async def get_load() -> dict:
-            return load_report(ctx)
-
-        async def get_stats() -> dict:
-            return stats_report(ctx)
-
-        async def get_metrics() -> PlainTextResponse:
-            return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-        router.add_api_route("/health", health, methods=["GET"])
+        mount_status_routes(router, ctx)
         router.add_api_route("/v1", api_index, methods=["GET"])
         router.add_api_route("/v1/models", list_models, methods=["GET"])
         router.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
         router.add_api_route("/props", get_props, methods=["GET"])
-        router.add_api_route("/v1/load", get_load, methods=["GET"])
-        router.add_api_route("/metrics", get_metrics, methods=["GET"])
-        router.add_api_route("/stats", get_stats, methods=["GET"])
 
 
 PROTOCOL = Ops()

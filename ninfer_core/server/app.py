@@ -36,31 +36,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
 def create_stats_app(ctx: ServerContext) -> FastAPI:
     """The --stats-port app: GET /health, /stats, /v1/load and /metrics only, under the main listener's
     readiness and API-key rules, so a dashboard or watchdog never queues behind the request pool."""
-    from fastapi.responses import PlainTextResponse
-
-    from ninfer_core.protocols.ops import load_report, stats_report
-    from ninfer_core.server.metrics import render_metrics
+    from ninfer_core.protocols.ops import mount_status_routes
 
     app = FastAPI(title="NInfer stats", version=build_string(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-
-    async def health() -> dict:
-        return {"status": "ok", "version": build_string()}
-
-    async def load() -> dict:
-        return load_report(ctx)
-
-    async def stats() -> dict:
-        return stats_report(ctx)
-
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/load", load, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/stats", stats, methods=["GET"])
+    router = APIRouter()
+    mount_status_routes(router, ctx)
+    app.include_router(router)
     app.add_middleware(ServerMiddleware, ctx=ctx)
     return app
 
