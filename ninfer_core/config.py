@@ -144,6 +144,9 @@ class ServeOptions:
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
     lenient_assistant_history: bool = False
+    request_log_jsonl: str | None = None  # the machine-readable request log (ninfer_core.server.request_log)
+    request_log_max_mib: int = 0  # rotate at this size (0: one unbounded file)
+    request_log_keep: int = 4  # rotated copies kept
     plugins: list[str] = field(default_factory=list)
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
@@ -183,6 +186,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="total size of the stored Responses (LRU)")
     p.add_argument("--lenient-assistant-history", action="store_true",
                    help="Responses: assistant content or reasoning after function_call Items joins that turn")
+    p.add_argument("--request-log-jsonl", default=None, metavar="FILE",
+                   help="append full-precision server/request records as JSON lines (no prompts or outputs)")
+    p.add_argument("--request-log-max-mib", type=_positive(0), default=0, metavar="N",
+                   help="rotate the request log at N MiB to FILE.1..FILE.<keep> (0: one unbounded file)")
+    p.add_argument("--request-log-keep", type=_positive(0), default=4, metavar="N",
+                   help="rotated request logs kept; 0 keeps none")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="load only this plugin (repeatable); a dotted module path loads that module")
     p.add_argument("--max-context", type=_positive(1), default=8192)
@@ -227,6 +236,9 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
     from ninfer_core.engine.cache_options import apply_cache_arguments
 
     apply_cache_arguments(a, eng)
+    log_path = getattr(a, "request_log_jsonl", None)
+    if getattr(a, "request_log_max_mib", 0) and not log_path:
+        raise ValueError("--request-log-max-mib requires --request-log-jsonl")
     return ServeOptions(
         artifact=a.artifact, host=a.host, port=a.port, stats_port=getattr(a, "stats_port", None),
         api_key=a.api_key, model_id=a.model_id,
@@ -236,5 +248,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         response_store_max_records=getattr(a, "response_store_max_records", 1024),
         response_store_max_mib=getattr(a, "response_store_max_mib", 256),
         lenient_assistant_history=getattr(a, "lenient_assistant_history", False),
+        request_log_jsonl=log_path, request_log_max_mib=getattr(a, "request_log_max_mib", 0),
+        request_log_keep=getattr(a, "request_log_keep", 4),
         engine=eng, thinking=thinking_options_from_args(a, a.no_thinking),
     )

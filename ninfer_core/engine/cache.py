@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -277,6 +278,7 @@ class ContextCache:
         Active requests' pages are never victims. The decision is kept on the request
         (`seq.cache_choice`) for `admit` and its completion report."""
         seq.cache_choice = None
+        t_plan = time.monotonic_ns()
         deepest = None
         if not _opted_out(seq):  # cache_prompt false: prefilled from root, nothing shared
             deepest = self.select(seq.prompt_ids, _session(seq))
@@ -292,6 +294,7 @@ class ContextCache:
                    "predicted_cost_tokens": 0.0, "budget_exhausted": False, "maximal_fallback": False,
                    "stop_reason": "no_pressure"}
         if need <= 0:
+            summary["planning_elapsed_ns"] = time.monotonic_ns() - t_plan
             seq.cache_choice = {"resume": deepest, "summary": summary}
             return True
         pending = self._spill_pending_pages()
@@ -299,10 +302,11 @@ class ContextCache:
             return False  # evicted owners are being written out a batch at a time; their pages follow
         # Under pressure only: every resume point the prompt has (a catalog scan).
         cands = self.candidates(seq.prompt_ids, _session(seq)) if deepest is not None else []
-        return self._admission_plan(seq, cands, summary, pending)
+        return self._admission_plan(seq, cands, summary, pending, t_plan)
 
-    def _admission_plan(self, seq: Sequence, cands: list, summary: dict, pending: int = 0) -> bool:
-        now = self._clock()
+    def _admission_plan(self, seq: Sequence, cands: list, summary: dict, pending: int = 0,
+                        t_plan: int | None = None) -> bool:
+        now, now_ns = self._clock(), time.monotonic_ns()
         items, extents, entries, ckpts = self._pressure_view(None, now)
         planner = Planner(items, extents, self.host_pages.num_free)
         options: list[Resume] = []
@@ -317,6 +321,7 @@ class ContextCache:
             options.append(Resume(key, f, resume_work(seq.prompt_len, f, bool(ckpt is not None and ckpt.host_pages)),
                                   seq.entitlement_pages - self._shared_pages(ckpt) - free, keep))
         choice = choose_resume(planner, options)
+        summary["planning_elapsed_ns"] = time.monotonic_ns() - (t_plan if t_plan is not None else now_ns)
         if choice is not None and choice.budget_exhausted:
             self.counters["searches"]["budget_exhausted"] += 1
         if choice is None:  # nothing frees enough: the head waits for running requests

@@ -45,6 +45,9 @@ class RequestHandle:
         self._waiter: asyncio.Future | None = None
         self._cancel = cancel
         self._done = False
+        # Sees every event as it is delivered, on the loop, whether or not a stream still reads
+        # (the server's request log, ninfer_core.server.request_log).
+        self.observer: Callable[[EngineEvent], None] | None = None
 
     def post(self, event: EngineEvent) -> None:
         """Deliver an event from any thread; a closed loop means nobody is listening any more."""
@@ -55,6 +58,9 @@ class RequestHandle:
 
     def _deliver(self, events) -> None:  # on the loop
         self._items.extend(events)
+        if self.observer is not None:
+            for event in events:
+                self.observer(event)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -29,6 +29,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     app.state.routes = mount_protocols(app, ctx)
+    if ctx.request_log is not None:  # inside ServerMiddleware: sees the undoubled path, authorized requests
+        from ninfer_core.server.request_log import RequestLogMiddleware
+
+        app.add_middleware(RequestLogMiddleware)
     app.add_middleware(ServerMiddleware, ctx=ctx)
     return app
 

@@ -86,6 +86,7 @@ class ServerContext:
     load_error: str | None = None
     ingress: Ingress | None = None
     requests_rejected: int = 0  # generation requests refused in preparation (ninfer:requests_rejected_total)
+    request_log: Any = None  # ninfer_core.server.request_log.RequestLog with --request-log-jsonl
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:

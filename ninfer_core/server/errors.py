@@ -219,7 +219,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine_error(request: Request, exc: EngineError):
         from ninfer_core.server.metrics import count_rejection
 
-        count_rejection(request.scope, exc.code, exc.status)
+        count_rejection(request.scope, exc.code, exc.status, exc)
         if is_anthropic_path(request.scope.get("path", "")):
             return shaped_error_response(request.scope, exc.status, exc.message, exc.type, exc.code,
                                          exc.param)

@@ -24,8 +24,9 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/compl
                               "/v1/messages", "/v1/responses"})
 
 
-def count_rejection(scope: dict, code: str | None, status: int) -> None:
-    """Called by the error mapper for every EngineError a route raised before responding."""
+def count_rejection(scope: dict, code: str | None, status: int, err: Any = None) -> None:
+    """Called by the error mapper for every EngineError a route raised before responding; a counted
+    rejection is also the request log's request_rejected record."""
     if scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
         return
     if code not in REJECTION_CODES and status != 429:
@@ -34,6 +35,10 @@ def count_rejection(scope: dict, code: str | None, status: int) -> None:
     ctx = getattr(getattr(app, "state", None), "ctx", None)
     if ctx is not None:
         ctx.requests_rejected += 1
+        if err is not None and ctx.request_log is not None:
+            from ninfer_core.server.request_log import log_rejection
+
+            log_rejection(ctx, err)
 
 
 def _num(d: dict, key: str) -> float:

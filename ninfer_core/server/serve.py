@@ -111,6 +111,7 @@ class _Loader:
         self.ctx, self.artifact, self.family_reg, self.template = ctx, artifact, family_reg, template
         self.stopping = threading.Event()
         self.engine: Any = None
+        self.throughput: Any = None  # request_log.ThroughputReporter with --request-log-jsonl
         self.on_failure = lambda: None
         self.thread = threading.Thread(target=self.run, name="ninfer-loader", daemon=True)
 
@@ -144,6 +145,17 @@ class _Loader:
                 n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"])
             ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
             ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
+            if ctx.request_log is not None:  # server_start first, then requests through the logging wrapper
+                from ninfer_core.server.request_log import (
+                    LoggedEngine,
+                    ThroughputReporter,
+                    server_start_record,
+                )
+
+                ctx.request_log.start(server_start_record(ctx, engine))
+                ctx.engine = LoggedEngine(engine, ctx.request_log)
+                self.throughput = ThroughputReporter(ctx.request_log, engine)
+                self.throughput.start()
             ctx.mark_ready()
             log.info("model %s ready on %s in %.1f s", ctx.model.id, device, time.monotonic() - t0)
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server with status 1
@@ -248,6 +260,15 @@ def run_serve(args) -> int:
         log.warning("the artifact has no chat template: chat requests will fail (use --chat-template FILE)")
 
     ctx = ServerContext(options=options, plugins=host)
+    if options.request_log_jsonl:
+        from ninfer_core.server.request_log import RequestLog, RequestLogError, check_log_path
+
+        try:
+            check_log_path(options.request_log_jsonl, path)
+            ctx.request_log = RequestLog(options.request_log_jsonl, options.request_log_max_mib,
+                                         options.request_log_keep)
+        except RequestLogError as e:
+            return _fail(str(e))
     from ninfer_core.server.app import create_app
 
     try:
@@ -296,6 +317,10 @@ def run_serve(args) -> int:
                     engine.shutdown()
                 except Exception as e:  # noqa: BLE001
                     log.warning("engine shutdown: %s", e)
+            if loader.throughput is not None:
+                loader.throughput.stop()  # the last partial interval
+            if ctx.request_log is not None:
+                ctx.request_log.close()
             shutdown_done.set()
 
     stats_server = None
