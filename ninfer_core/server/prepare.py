@@ -120,10 +120,16 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
 
 def prompt_hints(ctx: ServerContext, ids: list[int], template_kwargs: dict[str, Any]) -> Any:
     """CheckpointHints for a rendered chat prompt under the request's resolved preserve_thinking
-    (spec "Execution behavior": it selects the turn-closure frontier of new checkpoints)."""
-    from ninfer_core.engine.cache import derive_hints
+    (spec "Execution behavior": it selects the turn-closure frontier of new checkpoints). Message
+    boundaries come from the chat template's learned opener and role heads (ChatML or not); a
+    template they cannot be learned from gives no turn-closure or boundary hints."""
+    from ninfer_core.engine.checkpoints import CheckpointHints
+    from ninfer_core.engine.turn_markers import hints_from_markers, template_turn_markers
 
-    return derive_hints(ctx.tokenizer, ids, bool(template_kwargs.get("preserve_thinking")))
+    markers = template_turn_markers(ctx.chat_template, ctx.tokenizer)
+    if markers is None:
+        return CheckpointHints()
+    return hints_from_markers(markers, ctx.tokenizer, ids, bool(template_kwargs.get("preserve_thinking")))
 
 
 def _is_template_error(e: Exception) -> bool:

@@ -145,6 +145,16 @@ class _Loader:
                 n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"])
             ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
             ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
+            if self.template is not None and engine.cache is not None:
+                from ninfer_core.engine.turn_markers import template_turn_markers
+
+                markers = template_turn_markers(self.template, tokenizer)  # probed once, here
+                if markers is None:
+                    log.warning("context cache: the chat template's message opener could not be derived; chat "
+                                "prompts get no turn-closure or message-boundary checkpoints")
+                else:
+                    log.info("context cache: chat messages open with %r (assistant %r)",
+                             tokenizer.decode([markers.start_id], skip_special=False), markers.assistant)
             if ctx.request_log is not None:  # server_start first, then requests through the logging wrapper
                 from ninfer_core.server.request_log import (
                     LoggedEngine,
