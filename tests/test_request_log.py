@@ -222,3 +222,46 @@ def test_startup_refuses_the_artifact_path(tiny_artifact, tmp_path):
 def test_max_mib_requires_the_log():
     r = _serve("--request-log-max-mib", "4")
     assert r.returncode == 1 and "requires --request-log-jsonl" in r.stderr
+
+
+class _FakeEngine:
+    def __init__(self):
+        self.snap = {"lanes_active": 1, "prefilling": 0, "decode_ready": 1, "pending": 2,
+                     "counters": {"computed_prefill_tokens": 10, "committed_decode_tokens": 5, "decode_rounds": 5,
+                                  "decode_row_rounds": 5, "engine_recoveries": 0},
+                     "context_cache": {"selections": {"root": 1, "private_endpoint": 0}, "checkpoints": 3,
+                                       "max_private_continuations": 4}}
+
+    def snapshot(self):
+        return json.loads(json.dumps(self.snap))
+
+
+def test_throughput_interval_deltas_and_idle_omission(tmp_path):
+    from ninfer_core.server.request_log import ThroughputReporter
+
+    path = tmp_path / "t.jsonl"
+    rlog = RequestLog(str(path))
+    eng = _FakeEngine()
+    rep = ThroughputReporter(rlog, eng, interval_s=3600)  # reports only when told to
+    rep.report()  # nothing moved since it started: an idle interval is omitted
+    c = eng.snap["counters"]
+    c.update(committed_decode_tokens=11, decode_rounds=8, decode_row_rounds=14, engine_recoveries=1)
+    eng.snap["context_cache"]["selections"]["private_endpoint"] = 2
+    eng.snap["context_cache"]["checkpoints"] = 5
+    rep.report()
+    rep.report()  # idle again
+    eng.snap["context_cache"]["selections"]["root"] = 2  # cache activity alone is not idle
+    rep.report()
+    rlog.close()
+    recs = _records(path)
+    assert [r["event"] for r in recs] == ["throughput", "throughput"]
+    r = recs[0]
+    assert r["tokens"]["decode"] == 6 and r["tokens"]["prefill"] == 0
+    assert r["decode_batch"] == {"rounds": 3, "row_rounds": 9, "average_size": 3.0}
+    assert r["engine_recoveries"] == 1
+    assert r["scheduler"] == {"running": 1, "prefilling": 0, "decode_ready": 1, "waiting": 2}
+    cc = r["context_cache"]
+    assert cc["selections"] == {"root": 0, "private_endpoint": 2}
+    assert cc["occupancy"]["checkpoints"] == 5 and "max_private_continuations" not in cc
+    assert recs[1]["decode_batch"]["average_size"] is None
+    assert recs[1]["context_cache"]["selections"]["root"] == 1

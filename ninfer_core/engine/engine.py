@@ -41,7 +41,10 @@ COUNTERS = ("requests_completed", "requests_cancelled", "requests_rejected", "re
 UNIT_COUNTERS = ("computed_prefill_tokens", "prefill_seconds", "decode_seconds", "decode_rounds",
                  "decode_row_rounds", "committed_decode_tokens", "prefix_cache_hit_tokens",
                  "waiting_cancelled", "waiting_expired", "waiting_abandoned_seconds", "cancelled_prefills",
-                 "cancelled_prefill_computed_tokens", "context_transfer_seconds")
+                 "cancelled_prefill_computed_tokens", "context_transfer_seconds",
+                 # worker iterations that failed outside any one forward and were survived (spec
+                 # ninfer:engine_recoveries_total): the affected requests fail, the worker goes on
+                 "engine_recoveries")
 
 
 def _context_report(seq: Sequence) -> dict | None:
@@ -244,6 +247,8 @@ class Engine:
                     self._iteration()
                 except Exception as exc:  # an invariant broke outside any one forward
                     log.exception("engine iteration failed")
+                    with self._cv:
+                        self.counters["engine_recoveries"] += 1
                     self._fail_everything(EngineError(500, "server_error", f"engine failure: {exc}"))
         finally:
             self._flush()
