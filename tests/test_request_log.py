@@ -112,6 +112,7 @@ def test_request_records(logged_run):
     assert rejected["code"] == "context_length_exceeded"
     comp = recs[6]
     assert comp["endpoint"] == "/v1/completions" and recs[5]["requested_output_tokens"] == 4
+    assert recs[5]["explicit_output_limit"] is True
     cancelled = recs[8]
     assert cancelled["endpoint"] == "/completion" and cancelled["phase"] == "cancelled"
     assert cancelled["finish_reason"] == "cancelled" and cancelled["completion_tokens"] < 450

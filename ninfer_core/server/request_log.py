@@ -239,6 +239,12 @@ class _Tracker:
         self.t_first: float | None = None
         self.done = False
 
+    def budget(self) -> int | None:
+        """The output budget actually submitted (spec: requested_output_tokens): the request's limit,
+        or the derived default the engine resolved for one that named none."""
+        effective = getattr(self.handle, "max_tokens", None)
+        return effective if isinstance(effective, int) else self.request.max_tokens
+
     def _base(self) -> dict:
         return {"request_id": self.scope.request_id, "engine_request_id": getattr(self.handle, "request_id", None),
                 "endpoint": self.scope.endpoint, "protocol": PROTOCOLS[self.scope.endpoint]}
@@ -249,8 +255,7 @@ class _Tracker:
         thinking = {"enable_thinking": bool(r.in_reasoning), "thinking_budget": r.thinking_budget,
                     "post_thinking_sampler": dataclasses.asdict(r.post_thinking) if r.post_thinking else None}
         self.log.write("request_start", **self._base(), prompt_tokens=len(r.prompt_ids),
-                       requested_output_tokens=r.max_tokens,
-                       output_budget=getattr(self.handle, "max_tokens", None),
+                       requested_output_tokens=self.budget(), explicit_output_limit=r.max_tokens is not None,
                        sampler=sampling, stop_strings=len(r.stop), ignore_eos=bool(r.ignore_eos),
                        logprobs=r.logprobs, thinking=thinking, session_bound=r.session_id is not None,
                        cache_prompt=bool(r.cache_prompt),
@@ -305,7 +310,7 @@ class _Tracker:
             cached_tokens=usage.cached_tokens if usage else 0,
             computed_prefill_tokens=timings.get("prompt_n"),
             prefix_reuse_path=context.get("source", "root"),
-            requested_output_tokens=self.request.max_tokens,
+            requested_output_tokens=self.budget(),
             timings_seconds=self._timings(now, ev))
         mat = materialization(context.get("materialization"))
         if mat is not None:
