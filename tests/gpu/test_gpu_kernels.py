@@ -93,3 +93,43 @@ def test_fla_prefill_matches_reference_with_initial_state():
 def test_fused_elementwise_and_glue_kernels_bf16():
     cases.fused_elementwise("cuda", rows=9, hidden=5120)
     cases.conv_and_qk("cuda")
+
+
+def test_fla_prefill_graphs_match_eager():
+    """GdnPrefillGraphs (one CUDA Graph per bucket, chunk padded at its end) against the eager fla
+    call, over chunks that reuse a bucket with a stale longer tail, on the 27B GDN geometry."""
+    from ninfer_qwen35.config import Qwen35Config
+    from ninfer_qwen35.gdn import GatedDeltaNet
+    from ninfer_qwen35.gpu import fla_glue
+
+    if fla_glue.fla_chunk() is None:
+        pytest.skip("fla not installed")
+    from ninfer_core.bench.shapes import SHAPES
+
+    cfg = Qwen35Config.from_hf(SHAPES["qwen3.5-27b"])
+    g = torch.Generator(device="cuda").manual_seed(5)
+    mods = []
+    for i in range(2):  # two layers share each bucket's graph
+        mod = GatedDeltaNet(cfg, i)
+        mod.A_log.data = torch.rand(mod.hv, generator=g, device="cuda") * 2
+        mod.dt_bias.data = torch.randn(mod.hv, generator=g, device="cuda")
+        mods.append(mod)
+    graphs = fla_glue.GdnPrefillGraphs()
+    ssm = torch.randn(3, mods[0].hv, mods[0].dk, mods[0].dv, generator=g, device="cuda") * 0.1
+    ssm_ref = ssm.clone()
+    worst = 0.0
+    for t, li in ((300, 0), (290, 1), (70, 0), (127, 1), (513, 0), (1024, 1)):
+        mod = mods[li]
+        conv_out = torch.randn(t, mod.conv_dim, generator=g, device="cuda").bfloat16()
+        a_raw = torch.randn(t, mod.hv, generator=g, device="cuda").bfloat16()
+        b_raw = torch.randn(t, mod.hv, generator=g, device="cuda").bfloat16()
+        out = graphs.run(mod, conv_out, a_raw, b_raw, ssm, 1)
+        ref = fla_glue.gdn_prefill(mod, conv_out, a_raw, b_raw, ssm_ref, 1)
+        assert out is not None and out.shape == ref.shape
+        worst = max(worst, cases.rel(out, ref), cases.rel(ssm[1], ssm_ref[1]))
+    print(f"fla prefill graphs vs eager: worst rel err {worst:.2e} over 6 chunks, {len(graphs)} graphs")
+    assert worst < 5e-3
+    assert len(graphs) == 4  # buckets 384, 128, 768, 1024
+    assert torch.equal(ssm[0], ssm_ref[0]) and torch.equal(ssm[2], ssm_ref[2])
+    assert graphs.run(mods[0], conv_out[:1].expand(1100, -1).contiguous(), a_raw[:1].expand(1100, -1),
+                      b_raw[:1].expand(1100, -1), ssm, 1) is None  # past the largest bucket: eager
