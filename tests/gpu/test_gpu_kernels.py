@@ -133,3 +133,54 @@ def test_fla_prefill_graphs_match_eager():
     assert torch.equal(ssm[0], ssm_ref[0]) and torch.equal(ssm[2], ssm_ref[2])
     assert graphs.run(mods[0], conv_out[:1].expand(1100, -1).contiguous(), a_raw[:1].expand(1100, -1),
                       b_raw[:1].expand(1100, -1), ssm, 1) is None  # past the largest bucket: eager
+
+
+def test_gdn_decode_fused_matches_chain_9b_and_27b_heads():
+    """One launch per GDN layer against the conv_update -> gdn_decode -> gated_rmsnorm chain (same
+    rounding points: only fp32 summation order differs) and the torch references, 3 steps, 5 lanes."""
+    for hv in (32, 48):
+        e_chain, e_ref = cases.gdn_decode_fused("cuda", hk=16, hv=hv, dk=128, dv=128, batch=5, steps=3,
+                                                tol=3e-2, chain_tol=5e-3)
+        print(f"fused GDN decode HV={hv}: worst vs chain {e_chain:.2e}, vs reference {e_ref:.2e}")
+
+
+def test_attention_decode_fused_9b_and_27b_heads():
+    cases.attn_decode_fused("cuda", heads=16, kvh=4, d=256, rot=64, lens=(1, 63, 64, 65, 700, 1500, 3000, 129))
+    cases.attn_decode_fused("cuda", heads=24, kvh=4, d=256, rot=64, lens=(5, 1000, 64, 3001))
+
+
+def test_runner_fused_decode_equals_unfused_chain_in_cuda_graphs():
+    """GpuQwen35Runner at the 9B layer geometry (4 layers: 3 GDN + 1 attention), 3 lanes, decode
+    rounds replayed from CUDA Graphs with decode_fusion on against the unfused kernel chain."""
+    from ninfer_qwen35.family import Qwen35Family
+
+    from ninfer_core.bench.shapes import SHAPES
+    from ninfer_core.engine.model_api import SeqView
+
+    cfg = dict(SHAPES["qwen3.5-9b"], num_hidden_layers=4)
+    cfg["layer_types"] = cfg["layer_types"][:4]
+    fam = Qwen35Family()
+    runner = fam.load(fam.random_artifact(cfg, device="cuda", seed=3), device="cuda")
+    runner.allocate_cache(32, 3)
+    gen = torch.Generator().manual_seed(4)
+    lens, steps = (70, 130, 5), 4
+    prompts = [torch.randint(0, 200000, (n + steps,), generator=gen).tolist() for n in lens]
+    runs = {}
+    for fusion in (False, True):
+        runner.decode_fusion = fusion
+        runner._drop_graphs()
+        seqs = [SeqView(slot=i, pages=[3 + 10 * i + j for j in range(4)], num_cached=0) for i in range(3)]
+        for i, n in enumerate(lens):
+            runner.reset_slot(i)
+            runner.prefill(seqs[i], prompts[i][:n])
+            seqs[i].num_cached = n
+        rows = []
+        for s in range(steps):
+            rows.append(runner.decode(seqs, [prompts[i][lens[i] + s] for i in range(3)]).float())
+            for sq in seqs:
+                sq.num_cached += 1
+        runs[fusion] = torch.stack(rows)
+    assert runner.graphs_enabled and len(runner._graphs) == 1
+    err = float((runs[True] - runs[False]).abs().max() / runs[False].abs().max())
+    print(f"runner decode, fused vs unfused chain (CUDA graphs, 3 lanes x {steps} steps): {err:.2e}")
+    assert torch.isfinite(runs[True]).all() and err < 1e-2

@@ -24,6 +24,13 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def ulp_close(a, b, ulps: int = 1) -> bool:
+    """Elementwise equal up to `ulps` units in the last place of a's dtype."""
+    eps = torch.finfo(a.dtype).eps
+    a, b = a.float(), b.float()
+    return bool(((a - b).abs() <= ulps * eps * torch.maximum(a.abs(), b.abs()) + 1e-30).all())
+
+
 def _pool(num_pages, page, kvh, d, device, gen):
     k = torch.randn(num_pages, page, kvh, d, generator=gen, device=device).to(act_dtype(device))
     v = torch.randn(num_pages, page, kvh, d, generator=gen, device=device).to(act_dtype(device))
@@ -232,3 +239,211 @@ def conv_and_qk(device="cpu", tol=None):
     e1, e2 = rel(oq, rq), rel(ok, rk)
     print(f"qk_norm_rope: q {e1:.2e}, k {e2:.2e}")
     assert e1 < tol and e2 < tol
+
+
+def _moe_weights(device, e, hidden, inter, shared_inter, dt, gen):
+    """Random fused expert tensors and shared-expert weights at GEMV-friendly scales."""
+    def w(*shape, fan_in):
+        return (torch.randn(*shape, generator=gen, device=device) / fan_in**0.5).to(dt)
+
+    gate_up = w(e, 2 * inter, hidden, fan_in=hidden)
+    down = w(e, hidden, inter, fan_in=inter)
+    shared = (w(shared_inter, hidden, fan_in=hidden), w(shared_inter, hidden, fan_in=hidden),
+              w(hidden, shared_inter, fan_in=shared_inter), w(1, hidden, fan_in=hidden))
+    return gate_up, down, shared
+
+
+def _route(x, router, k):
+    """The Router's math: fp32 softmax, top-k, normalised, weights in x's dtype."""
+    probs = torch.softmax(torch.nn.functional.linear(x, router), dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, k, dim=-1)
+    return (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype), top_i
+
+
+def moe_decode(device="cpu", e=16, hidden=320, inter=96, k=4, ns=(1, 3, 8), tol=1e-2):
+    """moe_kernels.moe_decode (gate/up+SiLU*up, down+combine+gated shared expert) against the
+    gathered-expert reference, with and without the shared expert, with repeated experts across
+    rows, and with a shared expert of another width (torch path)."""
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    gen = torch.Generator(device=device).manual_seed(21)
+    dt = act_dtype(device)
+    gate_up, down, shared = _moe_weights(device, e, hidden, inter, inter, dt, gen)
+    router = torch.randn(e, hidden, generator=gen, device=device).to(dt)
+    for n in ns:
+        x = torch.randn(n, hidden, generator=gen, device=device).to(dt)
+        top_w, top_i = _route(x, router, k)
+        if n > 1:
+            top_i[1] = top_i[0]  # two rows that picked the same experts read them twice
+        for sh in (shared, None):
+            ref = MK.ref_moe_decode(x, top_w, top_i, gate_up, down, sh)
+            out = MK.moe_decode(x, top_w, top_i, gate_up, down, sh)
+            err = rel(out, ref)
+            print(f"moe_decode n={n} shared={'yes' if sh else 'no'}: {err:.2e}")
+            assert err < tol
+    _, _, wide = _moe_weights(device, 1, hidden, inter, 2 * inter, dt, gen)
+    x = torch.randn(2, hidden, generator=gen, device=device).to(dt)
+    top_w, top_i = _route(x, router, k)
+    err = rel(MK.moe_decode(x, top_w, top_i, gate_up, down, wide),
+              MK.ref_moe_decode(x, top_w, top_i, gate_up, down, wide))
+    print(f"moe_decode, shared expert of another width: {err:.2e}")
+    assert err < tol
+
+
+def moe_grouped(device="cpu", e=16, hidden=320, inter=96, k=4, n=70, tol=1e-2, gmm=None):
+    """The grouped-GEMM expert path (sorted pairs, device offsets) against the expert loop, with
+    experts that got no tokens; `gmm` None = the loop stand-in for torch._grouped_mm."""
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    gen = torch.Generator(device=device).manual_seed(23)
+    dt = act_dtype(device) if gmm is None else torch.bfloat16
+    gate_up, down, _ = _moe_weights(device, e, hidden, inter, inter, dt, gen)
+    skip = e // 4  # the first quarter of the experts is never chosen: empty groups
+    router = torch.randn(e - skip, hidden, generator=gen, device=device).to(dt)
+    x = torch.randn(n, hidden, generator=gen, device=device).to(dt)
+    top_w, top_i = _route(x, router, k)
+    top_i = top_i + skip
+    order, offs = MK.sort_pairs(top_i, e)
+    counts = torch.bincount(top_i.reshape(-1), minlength=e)
+    assert offs.dtype == torch.int32 and torch.equal(offs.long(), counts.cumsum(0))
+    assert torch.equal(top_i.reshape(-1)[order], torch.sort(top_i.reshape(-1)).values)
+    assert int(counts[:skip].sum()) == 0 and int((counts > 0).sum()) > 1
+    ref = _expert_loop(x, top_w, top_i, gate_up, down)
+    out = MK.grouped_experts_with(gmm or MK.loop_grouped_mm, x, top_w, top_i, gate_up, down)
+    err = rel(out, ref)
+    print(f"grouped experts ({'loop stand-in' if gmm is None else 'grouped_mm'}) n={n}: {err:.2e}")
+    assert err < tol
+
+
+def _expert_loop(x, top_w, top_i, gate_up, down):
+    """moe.Experts.forward_loop on these tensors."""
+    from types import SimpleNamespace
+
+    from ninfer_qwen35.moe import Experts
+
+    ex = SimpleNamespace(num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down)
+    return Experts.forward_loop(ex, x, top_w, top_i)
+
+
+def gdn_decode_fused(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, steps=3, tol=1e-2, chain_tol=None):
+    """The one-launch GDN decode (conv + delta step + gated norm from the fused projection row)
+    against the three-kernel chain (conv_update -> gdn_decode_inplace -> gated_rmsnorm) and the torch
+    references, over several steps (the q/k conv state is shifted by the last program of each key
+    head's group and its counters re-armed: a wrong hand-off shows at the next step)."""
+    gen = torch.Generator(device=device).manual_seed(31)
+    dt = act_dtype(device)
+    slots_n = 6
+    c = 2 * hk * dk + hv * dv
+    width = c + hv * dv + 2 * hv
+    conv_w = (torch.randn(c, 4, generator=gen, device=device) * 0.5).to(dt)
+    A_log = torch.rand(hv, generator=gen, device=device) * 2
+    dt_bias = torch.randn(hv, generator=gen, device=device)
+    norm_w = (1 + 0.1 * torch.randn(dv, generator=gen, device=device)).to(dt)
+    conv = {n: torch.randn(slots_n, c, 3, generator=gen, device=device).to(dt) for n in ("fused", "chain", "ref")}
+    conv["chain"].copy_(conv["fused"])
+    conv["ref"].copy_(conv["fused"])
+    ssm = {n: torch.randn(slots_n, hv, dk, dv, generator=gen, device=device) * 0.5 for n in ("fused",)}
+    ssm["chain"], ssm["ref"] = ssm["fused"].clone(), ssm["fused"].clone()
+    slots = torch.tensor([4, 0, 2, 5, 1][:batch], dtype=torch.int64, device=device)
+    worst_chain = worst_ref = 0.0
+    for step in range(steps):
+        proj = torch.randn(batch, width + 8, generator=gen, device=device).to(dt)[:, :width]  # strided rows
+        out = torch.full((batch, hv * dv), float("nan"), dtype=dt, device=device)
+        K.gdn_decode_fused(proj, conv["fused"], conv_w, A_log, dt_bias, ssm["fused"], slots, norm_w, 1e-6,
+                           hk, dk, dv, dk**-0.5, out=out)
+        mixed, z = proj[:, :c], proj[:, c:c + hv * dv]
+        b_raw, a_raw = proj[:, c + hv * dv:c + hv * dv + hv], proj[:, c + hv * dv + hv:]
+        co = K.conv_update(mixed, conv["chain"], conv_w, slots)
+        core = K.gdn_decode_inplace(co, a_raw, b_raw, A_log, dt_bias, ssm["chain"], slots, hk, dk, dv, dk**-0.5)
+        chain = K.gated_rmsnorm(core.reshape(-1, dv), z.reshape(-1, dv), norm_w, 1e-6).reshape(batch, -1)
+        ref = K.ref_gdn_decode_fused(proj, conv["ref"], conv_w, A_log, dt_bias, ssm["ref"], slots, norm_w, 1e-6,
+                                     hk, dk, dv, dk**-0.5)
+        e_chain = max(rel(out, chain), rel(ssm["fused"], ssm["chain"]))
+        e_ref = max(rel(out, ref), rel(ssm["fused"], ssm["ref"]), rel(conv["fused"], conv["ref"]))
+        assert torch.equal(conv["fused"], conv["chain"]), f"step {step}: conv state differs from the chain's"
+        diff = (out.float() - chain.float()).abs().max().item()
+        print(f"gdn decode fused step {step}: vs chain {e_chain:.2e} (max abs {diff:.2e}), vs reference {e_ref:.2e}")
+        assert e_chain < (chain_tol or tol / 2) and e_ref < tol, (e_chain, e_ref)
+        worst_chain, worst_ref = max(worst_chain, e_chain), max(worst_ref, e_ref)
+    untouched = [i for i in range(slots_n) if i not in slots.tolist()]
+    assert torch.equal(ssm["fused"][untouched], ssm["ref"][untouched])
+    assert torch.equal(conv["fused"][untouched], conv["ref"][untouched])
+    return worst_chain, worst_ref
+
+
+def attn_decode_fused(device="cpu", heads=8, kvh=2, d=64, rot=16, lens=(1, 70, 200, 64), page=64, tol=2e-2):
+    """K/V rows written by the q/k norm + RoPE kernel and the output gate applied in the combine,
+    against the chain (qk_norm_rope, index_put, paged decode, sigmoid * o) and the references."""
+    gen = torch.Generator(device=device).manual_seed(33)
+    dt = act_dtype(device)
+    n = len(lens)
+    width = -(-max(lens) // page) + 1
+    num_pages = n * width + 3
+    kc, vc = _pool(num_pages, page, kvh, d, device, gen)
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(34)).tolist()
+    table = torch.tensor([perm[i * width:(i + 1) * width] for i in range(n)], dtype=torch.int32).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    pos = seq_lens.long() - 1
+    wpage = table.long().gather(1, (pos // page)[:, None])[:, 0].contiguous()
+    wrow = (pos % page).contiguous()
+    p = torch.randn(n, heads * 2 * d + 2 * kvh * d + 8, generator=gen, device=device).to(dt)
+    qg = p[:, : heads * 2 * d].view(n, heads, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+    k = p[:, heads * 2 * d: heads * 2 * d + kvh * d].view(n, kvh, d)
+    v = p[:, heads * 2 * d + kvh * d: heads * 2 * d + 2 * kvh * d].view(n, kvh, d)
+    qw = (torch.randn(d, generator=gen, device=device) * 0.1).to(dt)
+    kw = (torch.randn(d, generator=gen, device=device) * 0.1).to(dt)
+    ang = torch.rand(n, rot // 2, generator=gen, device=device) * 6
+    cos = torch.cat([ang, ang], -1).cos().to(dt)
+    sin = torch.cat([ang, ang], -1).sin().to(dt)
+    scale = d**-0.5
+    # poison the rows to be written so a missed write shows
+    kc[wpage, wrow] = float("nan")
+    vc[wpage, wrow] = float("nan")
+    caches = {name: (kc.clone(), vc.clone()) for name in ("fused", "chain", "ref")}
+    fk, fv = caches["fused"]
+    qf = K.qk_norm_rope_kv(q, k, v, qw, kw, cos, sin, 1e-6, fk, fv, wpage, wrow)
+    out = K.paged_decode_attention_gated(qf, fk, fv, table, seq_lens, scale, gate)
+    ck, cv = caches["chain"]
+    qc, kk = K.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    ck[wpage, wrow] = kk
+    cv[wpage, wrow] = v
+    chain = K.paged_decode_attention(qc, ck, cv, table, seq_lens, scale).reshape(n, -1) * torch.sigmoid(
+        gate.reshape(n, -1))
+    rk, rv = caches["ref"]
+    qr = K.ref_qk_norm_rope_kv(q, k, v, qw, kw, cos, sin, 1e-6, rk, rv, wpage, wrow)
+    ref = K.ref_paged_decode_attention_gated(qr, rk, rv, table, seq_lens, scale, gate)
+    assert torch.isfinite(fk).all() and torch.isfinite(fv).all()
+    assert torch.equal(fv, cv), "v rows differ from the chain's"
+    # same math as qk_norm_rope: equal up to one rounding flip (exact under the interpreter)
+    assert ulp_close(fk, ck) and ulp_close(qf, qc), "q / k rows differ from the chain's"
+    e_chain, e_ref = rel(out, chain), rel(out, ref)
+    e_cache = max(rel(fk, rk), rel(fv, rv))
+    print(f"attention decode fused: vs chain {e_chain:.2e}, vs reference {e_ref:.2e}, cache vs reference {e_cache:.2e}")
+    assert e_chain < tol / 4 and e_ref < tol and e_cache < tol
+    for pps in (1, 2):
+        e = rel(K.paged_decode_attention_gated(qf, fk, fv, table, seq_lens, scale, gate, pages_per_split=pps), ref)
+        print(f"attention decode fused pps={pps}: vs reference {e:.2e}")
+        assert e < tol
+
+
+def moe_route(device="cpu", e=16, k=4, ns=(1, 3, 8), tol=1e-2):
+    """route_topk (softmax, top-k, normalise in one launch) against the Router's math: the same
+    chosen probabilities in the same order (ids equal up to ties between equal logits), distinct
+    ids per row, weights within the dtype's rounding."""
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    gen = torch.Generator(device=device).manual_seed(25)
+    dt = act_dtype(device)
+    for n in ns:
+        logits = (torch.randn(n, e + 3, generator=gen, device=device) * 3).to(dt)[:, :e]  # strided rows
+        for norm in (True, False):
+            rw, ri = MK.ref_route_topk(logits, k, norm)
+            ow, oi = MK.route_topk(logits, k, norm)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            assert oi.dtype == ri.dtype and torch.equal(probs.gather(1, oi), probs.gather(1, ri)), (oi, ri)
+            assert all(len(set(r)) == k for r in oi.tolist())
+            same = int((oi == ri).all(1).sum())
+            err = rel(ow, rw)
+            print(f"route_topk n={n} e={e} k={k} normalize={norm}: {same}/{n} rows same ids, weights {err:.2e}")
+            assert err < tol

@@ -72,6 +72,10 @@ def fuse_model(model) -> list[SimpleNamespace]:
 
 
 class GpuQwen35Runner(Qwen35Runner):
+    # decode step with the fused GDN layer and the fused attention K/V write + output gate (issue 6);
+    # False runs the kernel chains they replace (for A/B measurements; drop the graphs after a change)
+    decode_fusion = True
+
     def __init__(self, *args, cuda_graph: bool = True, **kw):
         super().__init__(*args, **kw)
         self.fused = fuse_model(self.model)
@@ -257,37 +261,57 @@ class GpuQwen35Runner(Qwen35Runner):
         return h
 
     def _gdn_decode(self, i, mod, h, slots):
-        b = h.shape[0]
+        """The in-projection GEMV, one fused launch (conv update + SiLU, gated delta step on the
+        state slot in place, gated RMSNorm with z) reading its [mixed | z | b | a] row, out_proj."""
         proj = F.linear(h, self.fused[i].w_in)
+        if not self.decode_fusion:
+            return self._gdn_decode_chain(i, mod, proj, slots)
+        out = K.gdn_decode_fused(
+            proj, self.cache.conv[i], mod.conv1d.weight[:, 0, :], mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
+            mod.norm.weight, mod.norm.eps, mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
+        )
+        return F.linear(out, mod.out_proj.weight)
+
+    def _gdn_decode_chain(self, i, mod, proj, slots):
+        """The unfused chain (conv_update, gdn_decode_inplace, gated_rmsnorm): decode_fusion off."""
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
         conv_out = K.conv_update(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slots)
-        core = K.gdn_decode_inplace(
-            conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
-            mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
-        )
+        core = K.gdn_decode_inplace(conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
+                                    mod.hk, mod.dk, mod.dv, mod.dk**-0.5)
         out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
-        return F.linear(out.reshape(b, vd), mod.out_proj.weight)
+        return F.linear(out.reshape(proj.shape[0], vd), mod.out_proj.weight)
 
-    def _attn_project(self, i, mod, h, cos, sin):
+    def _attn_qkv(self, i, mod, h):
+        """The fused q+gate|k|v GEMV -> strided views q, gate [N, H, d], k, v [N, KVH, d]."""
         n = h.shape[0]
         proj = F.linear(h, self.fused[i].w_qkv, self.fused[i].b_qkv)
         hd, nh, kvh = mod.head_dim, mod.heads, mod.kv_heads
         qg = proj[:, : nh * 2 * hd].view(n, nh, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:]
         k = proj[:, nh * 2 * hd : nh * 2 * hd + kvh * hd].view(n, kvh, hd)
         v = proj[:, nh * 2 * hd + kvh * hd :].view(n, kvh, hd)
+        return qg[..., :hd], qg[..., hd:], k, v
+
+    def _attn_project(self, i, mod, h, cos, sin):
+        q, gate, k, v = self._attn_qkv(i, mod, h)
         q, k = K.qk_norm_rope(q, k, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps)
-        return q, gate.reshape(n, nh * hd), k, v
+        return q, gate.reshape(h.shape[0], -1), k, v
 
     def _attn_decode(self, i, mod, h, cos, sin, table, lens, wpage, wrow):
-        q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
+        """qkv GEMV; q/k norm + RoPE writing the new K/V rows into the paged cache (one launch);
+        split decode + a combine that applies sigmoid(gate) (two launches); o_proj."""
+        if not self.decode_fusion:
+            q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
+            kc, vc = self.cache.kv[i]
+            kc[wpage, wrow] = k.to(kc.dtype)
+            vc[wpage, wrow] = v.to(vc.dtype)
+            return mod.finish(K.paged_decode_attention(q, kc, vc, table, lens, mod.scale), gate)
+        q, gate, k, v = self._attn_qkv(i, mod, h)
         kc, vc = self.cache.kv[i]
-        kc[wpage, wrow] = k.to(kc.dtype)
-        vc[wpage, wrow] = v.to(vc.dtype)
-        o = K.paged_decode_attention(q, kc, vc, table, lens, mod.scale)
-        return mod.finish(o, gate)
+        q = K.qk_norm_rope_kv(q, k, v, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps,
+                              kc, vc, wpage, wrow)
+        return mod.o_proj(K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate))
 
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
