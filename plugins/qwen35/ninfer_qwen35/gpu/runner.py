@@ -234,7 +234,8 @@ class GpuQwen35Runner(Qwen35Runner):
     def _decode_body(self, b: int, meta: torch.Tensor, width: int) -> torch.Tensor:
         """One decode step for b lanes described by meta[:b] -> final-normed hidden [b, H]."""
         m = meta[:b]
-        ids, pos, slots, lens, wpage, wrow = (m[:, i].contiguous() for i in range(_META))
+        # one transposing copy makes every per-lane column contiguous (was one copy per column)
+        ids, pos, slots, lens, wpage, wrow = m[:, :_META].t().contiguous()
         table = m[:, _META : _META + width]
         model, cache = self.model, self.cache
         x = model.embed_tokens(ids)
