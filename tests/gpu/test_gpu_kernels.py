@@ -137,10 +137,11 @@ def test_fla_prefill_graphs_match_eager():
 
 def test_gdn_decode_fused_matches_chain_9b_and_27b_heads():
     """One launch per GDN layer against the conv_update -> gdn_decode -> gated_rmsnorm chain (same
-    rounding points: only fp32 summation order differs) and the torch references, 3 steps, 5 lanes."""
+    rounding points: only fp32 summation order differs, so the bound is tight; the torch reference
+    chain is ~6e-3 away in bf16) and the torch references, 3 steps, 5 lanes."""
     for hv in (32, 48):
         e_chain, e_ref = cases.gdn_decode_fused("cuda", hk=16, hv=hv, dk=128, dv=128, batch=5, steps=3,
-                                                tol=3e-2, chain_tol=5e-3)
+                                                tol=3e-2, chain_tol=1e-3)
         print(f"fused GDN decode HV={hv}: worst vs chain {e_chain:.2e}, vs reference {e_ref:.2e}")
 
 
@@ -181,6 +182,8 @@ def test_runner_fused_decode_equals_unfused_chain_in_cuda_graphs():
                 sq.num_cached += 1
         runs[fusion] = torch.stack(rows)
     assert runner.graphs_enabled and len(runner._graphs) == 1
-    err = float((runs[True] - runs[False]).abs().max() / runs[False].abs().max())
-    print(f"runner decode, fused vs unfused chain (CUDA graphs, 3 lanes x {steps} steps): {err:.2e}")
-    assert torch.isfinite(runs[True]).all() and err < 1e-2
+    err = cases.rel(runs[True], runs[False])
+    worst = float((runs[True] - runs[False]).abs().max() / runs[False].abs().max())
+    print(f"runner decode, fused vs unfused chain (CUDA graphs, 3 lanes x {steps} steps): rel {err:.2e}, "
+          f"max abs / max {worst:.2e}")
+    assert err < 1e-2 and worst < 2e-2

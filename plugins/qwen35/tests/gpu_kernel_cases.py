@@ -420,7 +420,7 @@ def attn_decode_fused(device="cpu", heads=8, kvh=2, d=64, rot=16, lens=(1, 70, 2
     e_chain, e_ref = rel(out, chain), rel(out, ref)
     e_cache = max(rel(fk, rk), rel(fv, rv))
     print(f"attention decode fused: vs chain {e_chain:.2e}, vs reference {e_ref:.2e}, cache vs reference {e_cache:.2e}")
-    assert e_chain < tol / 4 and e_ref < tol and e_cache < tol
+    assert e_chain < 2e-3 and e_ref < tol and e_cache < tol
     for pps in (1, 2):
         e = rel(K.paged_decode_attention_gated(qf, fk, fv, table, seq_lens, scale, gate, pages_per_split=pps), ref)
         print(f"attention decode fused pps={pps}: vs reference {e:.2e}")
