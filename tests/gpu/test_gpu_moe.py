@@ -1,6 +1,7 @@
-"""The MoE decode path on CUDA at the Qwen3.5-35B-A3B layer shape (4 layers, random bf16 weights):
-the gathered-expert round equals the reference expert loop, and CUDA-Graph replay (now used for
-MoE models too) equals eager decode."""
+"""The MoE paths on CUDA at the Qwen3.5-35B-A3B layer shape (4 layers, random bf16 weights): the
+decode kernels (gpu/moe_kernels.py) against the gathered-expert reference and the expert loop, the
+grouped-GEMM prefill path (torch._grouped_mm over expert-sorted pairs) against the expert loop,
+neither synchronising with the host, and CUDA-Graph replay equal to eager decode."""
 
 import pytest
 import torch
@@ -30,15 +31,83 @@ def moe():
     torch.cuda.empty_cache()
 
 
-def test_gathered_experts_equal_the_expert_loop(moe):
+def _loop_block(mlp, h, route=None):
+    """The MoE block through the reference expert loop (with the given routing, else the Router's)."""
+    top_w, top_i = route if route is not None else mlp.gate(h)
+    routed = mlp.experts.forward_loop(h, top_w, top_i)
+    return routed + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+
+
+def test_moe_decode_kernels_real_shape():
+    cases = pytest.importorskip("gpu_kernel_cases")
+    cases.moe_decode("cuda", e=256, hidden=2048, inter=512, k=8, ns=(1, 2, 3, 8))
+    cases.moe_route("cuda", e=256, k=8, ns=(1, 3, 8, 64))
+
+
+def test_decode_experts_equal_the_expert_loop(moe):
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
     mlp = moe.model.layers[0].mlp
     g = torch.Generator(device="cuda").manual_seed(5)
     for n in (1, 3, 8):
         h = torch.randn(n, moe.cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
         with torch.inference_mode():
-            err = rel(moe._moe_few_tokens(mlp, h), mlp(h))
-        print(f"MoE gathered experts vs loop, {n} tokens: rel err {err:.2e}")
-        assert err < 1e-2
+            out = moe._moe_few_tokens(mlp, h)
+            # the same routing as the kernel's (torch.topk may order equal bf16 logits otherwise)
+            top_w, top_i = MK.route_topk(torch.nn.functional.linear(h, mlp.gate.weight), mlp.gate.top_k,
+                                         mlp.gate.normalize)
+            err = rel(out, _loop_block(mlp, h, (top_w, top_i)))
+            se = mlp.shared_expert
+            ref = MK.ref_moe_decode(h, top_w, top_i, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+                                    (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                                     mlp.shared_expert_gate.weight))
+            err_ref = rel(out, ref)
+        print(f"MoE decode kernels, {n} tokens: rel err vs loop {err:.2e}, vs gathered reference {err_ref:.2e}")
+        assert err < 1e-2 and err_ref < 5e-3
+
+
+def test_grouped_mm_experts_equal_the_expert_loop(moe):
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm (the expert loop runs)")
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    cases = pytest.importorskip("gpu_kernel_cases")
+    cases.moe_grouped("cuda", e=256, hidden=2048, inter=512, k=8, n=1000, gmm=torch._grouped_mm)
+    mlp = moe.model.layers[0].mlp
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for n in (9, 300, 4096):
+        h = torch.randn(n, moe.cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+        with torch.inference_mode():
+            top_w, top_i = mlp.gate(h)
+            grouped = MK.grouped_experts(h, top_w, top_i, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+            assert grouped is not None, f"torch._grouped_mm refused the input: {MK._GMM_REFUSED}"
+            err = rel(grouped, mlp.experts.forward_loop(h, top_w, top_i))
+            err_block = rel(mlp(h), _loop_block(mlp, h))
+        print(f"MoE grouped_mm vs loop, {n} tokens: experts {err:.2e}, block {err_block:.2e}")
+        assert err < 1e-2 and err_block < 1e-2
+
+
+def test_moe_paths_do_not_synchronise(moe):
+    """Neither the decode kernels nor the grouped prefill path read anything back to the host."""
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    mlp = moe.model.layers[1].mlp
+    g = torch.Generator(device="cuda").manual_seed(8)
+    hs = {n: torch.randn(n, moe.cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16) for n in (4, 512)}
+    with torch.inference_mode():
+        top_w, top_i = mlp.gate(hs[512])
+        warm = [moe._moe_few_tokens(mlp, hs[4]), MK.grouped_experts(hs[512], top_w, top_i,
+                mlp.experts.gate_up_proj, mlp.experts.down_proj)]  # compile/warm outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe._moe_few_tokens(mlp, hs[4])
+            if warm[1] is not None:  # (a refusal is test_grouped_mm_experts_equal_the_expert_loop's)
+                out = MK.grouped_experts(hs[512], top_w, top_i, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+                assert out is not None, f"the grouped path failed under sync checking: {MK._GMM_REFUSED}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
 
 
 def test_moe_graph_replay_equals_eager(moe):

@@ -41,7 +41,19 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
 
     def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        """Loop over the experts that received tokens; each runs on its tokens only."""
+        """On CUDA: sorted token-expert pairs through two grouped GEMMs, no host synchronisation
+        (gpu/moe_kernels.py); elsewhere, or where the grouped GEMM is unavailable, the expert loop."""
+        if x.is_cuda:
+            from ninfer_qwen35.gpu.moe_kernels import grouped_experts
+
+            out = grouped_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj)
+            if out is not None:
+                return out
+        return self.forward_loop(x, top_w, top_i)
+
+    def forward_loop(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """The reference: loop over the experts that received tokens; each runs on its tokens only
+        (reads the expert counts back to the host)."""
         out = torch.zeros_like(x)
         flat_i = top_i.reshape(-1)
         order = torch.argsort(flat_i, stable=True)

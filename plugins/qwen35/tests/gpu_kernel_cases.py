@@ -313,6 +313,11 @@ def moe_grouped(device="cpu", e=16, hidden=320, inter=96, k=4, n=70, tol=1e-2, g
     err = rel(out, ref)
     print(f"grouped experts ({'loop stand-in' if gmm is None else 'grouped_mm'}) n={n}: {err:.2e}")
     assert err < tol
+    y = torch.randn(n * k + 5, hidden + 8, generator=gen, device=device).to(dt)[:, :hidden]  # strided rows
+    pos = torch.randperm(n * k + 5, generator=torch.Generator().manual_seed(n))[: n * k].view(n, k).to(device)
+    err = rel(MK.combine_rows(y, pos, top_w), MK.ref_combine_rows(y, pos, top_w))
+    print(f"combine_rows n={n}: {err:.2e}")
+    assert err < tol
 
 
 def _expert_loop(x, top_w, top_i, gate_up, down):

@@ -27,6 +27,7 @@ from torch import nn
 
 from ninfer_core.engine.model_api import PAGE_SIZE, SeqView
 from ninfer_qwen35.gpu import kernels as K
+from ninfer_qwen35.gpu import moe_kernels as MK
 from ninfer_qwen35.gpu.fla_glue import GRAPH_BUCKETS, GdnPrefillGraphs, fla_chunk, gdn_prefill
 from ninfer_qwen35.runner import Qwen35Runner
 
@@ -324,21 +325,16 @@ class GpuQwen35Runner(Qwen35Runner):
 
     @staticmethod
     def _moe_few_tokens(mlp, h):
-        """MoE for a decode round (a few tokens): the chosen experts' weights are gathered on the
-        device and applied as one batched GEMV each for gate/up and down. No expert counts come
+        """MoE for a decode round (a few tokens): the router's logits by one matmul, then Triton
+        launches (gpu/moe_kernels.py): softmax/top-k/normalise, and two that read each chosen
+        expert's rows straight from the fused expert tensors by the ids on the device (gate/up +
+        SiLU*up, then down + routing-weight combine + gated shared expert). No expert counts come
         back to the host, so the round has no synchronisation and is CUDA-graph safe."""
-        n, hidden = h.shape
-        top_w, top_i = mlp.gate(h)  # [N, k]
-        k = top_i.shape[1]
-        idx = top_i.reshape(-1)
-        ex = mlp.experts
-        x = h.repeat_interleave(k, dim=0)  # [N*k, H]
-        gu = torch.bmm(ex.gate_up_proj.index_select(0, idx), x[:, :, None])[..., 0]  # [N*k, 2I]
-        act = K.silu_mul(gu)
-        y = torch.bmm(ex.down_proj.index_select(0, idx), act[:, :, None])[..., 0]  # [N*k, H]
-        routed = (y.float() * top_w.reshape(-1, 1).float()).view(n, k, hidden).sum(1).to(h.dtype)
-        shared = torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
-        return routed + shared
+        router = mlp.gate
+        top_w, top_i = MK.route_topk(F.linear(h, router.weight), router.top_k, router.normalize)  # [N, k]
+        ex, se = mlp.experts, mlp.shared_expert
+        shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, mlp.shared_expert_gate.weight)
+        return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared)
 
     # ---- prefill (and any multi-token forward) ---------------------------------------------
     def _forward(self, segs, tokens: list[int]) -> torch.Tensor:
