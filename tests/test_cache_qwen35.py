@@ -9,6 +9,7 @@ with the pool accounting audited and back to idle once the catalog is cleared.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("ninfer_qwen35")
 
@@ -17,6 +18,7 @@ from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import GenerationRequest, SamplingParams
 from ninfer_core.engine.checkpoints import CheckpointHints
 from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.model_api import SeqView
 from ninfer_core.engine.pages import pages_for
 from ninfer_core.testing import collect, run_async
 from ninfer_core.tokenizer import Tokenizer
@@ -297,4 +299,57 @@ def test_planner_degrade_to_turn_closure_matches_root(model, root):
     s = sel(eng)
     assert run(eng, b, max_tokens=8).token_ids == root(b)  # B was kept: its regenerate resumes
     assert source_delta(eng, s) == "private_turn_closure"
+    idle(eng)
+
+
+def test_capture_inside_a_chunk_with_the_gpu_runner_matches_root(model):
+    """The GPU runner's one-forward snapshot (prefill_with_snapshot): the turn closure and the
+    shared prefix are captured inside prefill chunks (no split forward), and turns served from
+    them equal root on the same runner (its CPU path)."""
+    from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+
+    art, fam, tok = model
+
+    def gpu_engine(reuse):
+        eng = Engine(GpuQwen35Runner.from_runner(fam.load(art)), tok,
+                     EngineOptions(max_context=2048, prefill_chunk=48, prefix_reuse=reuse))
+        _engines.append(eng)
+        eng.start()
+        return eng
+
+    eng, base = gpu_engine(True), gpu_engine(False)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a paged KV cache?"}]
+    p1 = chat(tok, msgs)
+    o1 = run(eng, p1)
+    assert o1.token_ids == run(base, p1).token_ids
+    assert eng.snapshot()["context_cache"]["captures_in_chunk"] >= 1
+    # the captured state is the state of the frontier: the same tokens prefilled on the root
+    # engine's runner (its lane slot and last pages, unused while it is idle) give it
+    with eng._cv:
+        ckpts = [e.ckpt for _, e in eng.cache._all_entries() if e.ckpt.device_slot is not None]
+    ck = max(ckpts, key=lambda c: c.frontier)
+    assert 0 < ck.frontier < len(p1) and ck.frontier % 48, ck.frontier  # inside a chunk
+
+    def fresh_state():
+        r = base.runner
+        n = pages_for(ck.frontier, 64)
+        view = SeqView(0, list(range(r.num_pages - n, r.num_pages)), 0)
+        r.reset_slot(0)
+        r.prefill(view, list(ck.tokens))
+        return {i: t[0].clone() for i, t in r.cache.ssm.items()}
+
+    want = base.run_control(fresh_state).result(60)
+    for i, t in want.items():
+        torch.testing.assert_close(eng.runner.cache.ssm[i][ck.device_slot], t, rtol=1e-4, atol=1e-5)
+    s = sel(eng)
+    o1b = run(eng, p1)  # regenerate: from the turn closure captured inside a chunk
+    assert source_delta(eng, s) == "private_turn_closure"
+    assert o1b.token_ids == o1.token_ids
+    q1 = chat(tok, [msgs[0], {"role": "user", "content": "Define recurrent state."}])
+    q2 = chat(tok, [msgs[0], {"role": "user", "content": "Define prefix reuse, please."}])
+    run(eng, q1)
+    s = sel(eng)
+    o_q2 = run(eng, q2)
+    assert source_delta(eng, s) == "shared_stable_prefix"
+    assert o_q2.token_ids == run(base, q2).token_ids
     idle(eng)

@@ -173,6 +173,7 @@ class ContextCache:
         self._sightings: dict[tuple[int, ...], int] = {}  # stable prefix -> times seen
         self.counters: dict[str, Any] = {
             "reused_prompt_tokens": 0, "computed_prefill_tokens": 0, "checkpoints_captured": 0,
+            "captures_in_chunk": 0,
             "selections": dict.fromkeys(SOURCES, 0),
             "pressure": dict.fromkeys(("private_owner_evicted", "shared_owner_evicted",
                                        "private_owner_degraded", "shared_owner_degraded",
@@ -512,19 +513,55 @@ class ContextCache:
             kind = "long_anchor"  # the conversation may also resume from it privately
         plan.captured.append(Entry(kind, ckpt))
 
-    def _capture(self, seq: Sequence, tokens: list[int], now: float) -> Checkpoint | None:
-        """A checkpoint of the lane's current state and pages (held once, by the caller).
+    # -- capture inside a prefill chunk (no split forward) -------------------------------------
+    def reserve_capture_slot(self, seq: Sequence, frontier: int, now: float) -> int | None:
+        """A Device state slot for the planned capture at `frontier`, taken before the prefill
+        chunk that crosses it, so the forward can leave the state of that position there
+        (`ModelRunner.prefill_with_snapshot`) instead of being split in two. None when no Device
+        slot can be had (the chunk is then split at the frontier and captured as before). The slot
+        goes to `capture_reserved`, or back with `release_capture_slot` if the forward fails."""
+        plan = getattr(seq, "cache_plan", None)
+        if plan is None or frontier not in plan.captures:
+            return None
+        return self._device_slot(now, self._capture_value(seq.prompt_ids[:frontier]))
+
+    def release_capture_slot(self, slot: int) -> None:
+        self._device_free.append(slot)
+
+    def capture_reserved(self, seq: Sequence, frontier: int, slot: int, now: float) -> None:
+        """Register the capture at `frontier` whose state the forward left in `slot`."""
+        plan = seq.cache_plan
+        kind = plan.captures.pop(frontier, None)
+        if kind is None:  # not planned (any more): nothing holds the slot
+            self.release_capture_slot(slot)
+            return
+        ckpt = self._capture(seq, seq.prompt_ids[:frontier], now, slot=slot)
+        if kind == "shared":
+            self._publish_shared(ckpt)
+            kind = "long_anchor"
+        plan.captured.append(Entry(kind, ckpt))
+        self.counters["captures_in_chunk"] += 1
+
+    def _capture_value(self, tokens) -> float:
+        """What a capture of `tokens` is worth when room must be made for its StateImage: the
+        tokens above the deepest retained prefix of it (inf when no room has to be made)."""
+        if not self._device_free and self.host_images >= self.caps.host_state_slots:
+            base = self.select(list(tokens) + [-1])[0]  # only when room must be made: O(catalog)
+            return float(len(tokens) - (base.frontier if base is not None else 0))
+        return float("inf")
+
+    def _capture(self, seq: Sequence, tokens: list[int], now: float, slot: int | None = None) -> Checkpoint | None:
+        """A checkpoint of the lane's current state and pages (held once, by the caller); with
+        `slot`, of the state a forward already left in that reserved Device slot.
 
         When its StateImage needs room, what the room costs the retained checkpoints is weighed
         against what the capture saves (the tokens above the deepest retained prefix of it); a
         capture worth less is skipped (`captures_skipped`)."""
-        value = float("inf")
-        if not self._device_free and self.host_images >= self.caps.host_state_slots:
-            base = self.select(list(tokens) + [-1])[0]  # only when room must be made: O(catalog)
-            value = float(len(tokens) - (base.frontier if base is not None else 0))
-        slot = self._device_slot(now, value)
         ckpt = Checkpoint(tuple(tokens), [], last_used=now)
+        value = self._capture_value(tokens) if slot is None else 0.0
         if slot is not None:
+            ckpt.device_slot = slot
+        elif (slot := self._device_slot(now, value)) is not None:
             self.runner.copy_slot(seq.slot, slot)
             ckpt.device_slot = slot
         elif self._host_room(now, limit=value):
@@ -1050,6 +1087,7 @@ class ContextCache:
             "reused_prompt_tokens": self.counters["reused_prompt_tokens"],
             "computed_prefill_tokens": self.counters["computed_prefill_tokens"],
             "checkpoints_captured": self.counters["checkpoints_captured"],
+            "captures_in_chunk": self.counters["captures_in_chunk"],
             "selections": dict(self.counters["selections"]),
             "pressure": dict(self.counters["pressure"]),
             "transfer_bytes": dict(self.counters["transfer_bytes"]),

@@ -399,16 +399,29 @@ class Engine:
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_cached
-        end = start + self.options.prefill_chunk
-        split = self.cache.next_split(seq) if self.cache is not None else None
-        if split is not None and split < end:
-            end = split  # the chunk ends at a checkpoint frontier, so the capture needs no forward
+        end = min(start + self.options.prefill_chunk, seq.prompt_len)
+        snap = None  # (frontier, reserved state slot): a capture inside this chunk
+        if self.cache is not None:
+            ahead = sorted(p for p in getattr(getattr(seq, "cache_plan", None), "captures", {}) if p > start)
+            if ahead and ahead[0] < end:
+                with self._cv:
+                    slot = self.cache.reserve_capture_slot(seq, ahead[0], time.monotonic())
+                if slot is not None:
+                    # one forward leaves the frontier's state in the slot: no split, no copy
+                    snap = (ahead[0], slot)
+                    if len(ahead) > 1 and ahead[1] < end:
+                        end = ahead[1]
+                else:
+                    end = ahead[0]  # the chunk ends at the frontier; after_chunk copies the state
         chunk = seq.prompt_ids[start: end]
         view = SeqView(seq.slot, seq.pages[: pages_for(start + len(chunk), self.page_size)], start)
         last = start + len(chunk) == seq.prompt_len
         t0 = time.monotonic()
         try:
-            logits = self.runner.prefill(view, chunk)
+            if snap is not None:
+                logits = self.runner.prefill_with_snapshot(view, chunk, snap[0] - start, snap[1])
+            else:
+                logits = self.runner.prefill(view, chunk)
             self._launches += 1
             self._flush()
             if last and seq.request.score_token_ids:
@@ -420,15 +433,21 @@ class Engine:
                 record = self._logprob_records(row, [seq], [token], [None])[0]
         except Exception as exc:
             log.exception("prefill failed for request %s", seq.request_id)
+            if snap is not None:
+                with self._cv:
+                    self.cache.release_capture_slot(snap[1])
             self._fail(seq, exc)
             return
         seq.num_cached += len(chunk)
         with self._cv:
             self.counters["computed_prefill_tokens"] += len(chunk)
             self.counters["prefill_seconds"] += time.monotonic() - t0
-        if self.cache is not None and not last:
+        if self.cache is not None and (snap is not None or not last):
             with self._cv:
-                self.cache.after_chunk(seq, time.monotonic())
+                if snap is not None:
+                    self.cache.capture_reserved(seq, snap[0], snap[1], time.monotonic())
+                if not last:
+                    self.cache.after_chunk(seq, time.monotonic())
         if not last:
             return
         seq.t_first = time.monotonic()

@@ -137,6 +137,16 @@ class ModelRunner(ABC):
         The caller advances `seq.num_cached` afterwards.
         """
 
+    def prefill_with_snapshot(self, seq: SeqView, tokens: Sequence[int], at: int, slot: int):
+        """`prefill`, and also leave in state slot `slot` the lane's state after the first `at`
+        tokens (0 < at < len(tokens)): a checkpoint inside a chunk. This default runs two forwards
+        around a `copy_slot`; a runner that can snapshot inside one forward overrides it."""
+        if not 0 < at < len(tokens):
+            raise ValueError(f"snapshot position {at} outside the chunk of {len(tokens)} tokens")
+        self.prefill(SeqView(seq.slot, seq.pages, seq.num_cached), tokens[:at])
+        self.copy_slot(seq.slot, slot)
+        return self.prefill(SeqView(seq.slot, seq.pages, seq.num_cached + at), tokens[at:])
+
     @abstractmethod
     def decode(self, seqs: Sequence[SeqView], tokens: Sequence[int]):
         """One new token per sequence, all in one batched forward. Returns fp32 logits [B, vocab]."""

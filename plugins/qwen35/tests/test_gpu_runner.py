@@ -118,3 +118,37 @@ def test_random_artifact_and_transformers_model_share_the_runner_tensors(kind):
     fast.allocate_cache(8, 2)
     out = fast.prefill(SeqView(slot=0, pages=[3, 1], num_cached=0), ids[0].tolist(), all_logits=True)
     assert rel_err(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("at", [1, 2, 37, 69])
+def test_prefill_with_snapshot_in_one_forward_equals_the_split_forwards(loaded, at):
+    """GpuQwen35Runner.prefill_with_snapshot (one forward, each GDN layer split at `at`) leaves
+    the same state in the snapshot slot and the lane, the same KV and the same logits as the
+    ModelRunner default (two prefills around copy_slot)."""
+    art, _ = loaded["dense"]
+    ref, fast = both(art)
+    toks = prompt(70 + 40, seed=5)
+    res = {}
+    for name, r in (("split", ref), ("fused", fast)):
+        s = SeqView(slot=1, pages=[4, 7], num_cached=0)
+        r.prefill(s, toks[:40])
+        s.num_cached = 40
+        logits = r.prefill_with_snapshot(s, toks[40:], at, 3)  # reference runner: the split default
+        res[name] = (logits, {k: [t[1].clone(), t[3].clone()] for k, t in (
+            *(("conv%d" % i, c) for i, c in r.cache.conv.items()), *(("ssm%d" % i, c) for i, c in r.cache.ssm.items()))},
+            {i: (k[[4, 7]].clone(), v[[4, 7]].clone()) for i, (k, v) in r.cache.kv.items()})
+    (l1, st1, kv1), (l2, st2, kv2) = res["split"], res["fused"]
+    assert rel_err(l2, l1) <= TOL
+    for key in st1:
+        for a, b in zip(st1[key], st2[key]):
+            assert rel_err(b, a) <= TOL, key
+    for i in kv1:
+        for a, b in zip(kv1[i], kv2[i]):
+            assert rel_err(b, a) <= TOL
+    # the snapshot is the state after 40 + at tokens: a fresh lane prefilled that far has it
+    s = SeqView(slot=2, pages=[9, 10], num_cached=0)
+    fast.prefill(s, toks[: 40 + at])
+    for i, c in fast.cache.ssm.items():
+        assert rel_err(c[3], c[2]) <= TOL
+    with pytest.raises(ValueError):
+        fast.prefill_with_snapshot(SeqView(slot=1, pages=[4, 7], num_cached=0), toks[:10], 10, 3)

@@ -31,6 +31,10 @@ def test_route_topk_kernel_matches_router_math():
     _run_interpreted("moe_route")
 
 
+def test_gpu_runner_on_moe_artifact_with_interpreted_kernels_matches_reference():
+    _run_interpreted("runner_interpret_moe")
+
+
 def test_grouped_path_with_interpreted_combine_kernel():
     _run_interpreted("moe_grouped")
 

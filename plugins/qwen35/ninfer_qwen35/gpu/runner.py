@@ -349,7 +349,23 @@ class GpuQwen35Runner(Qwen35Runner):
         outs = [self._prefill_body(seg, ids[seg.offset : seg.offset + seg.length]) for seg in segs]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _prefill_body(self, seg, ids: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def prefill_with_snapshot(self, seq: SeqView, tokens, at: int, slot: int):
+        """One forward over the chunk that also leaves the state after its first `at` tokens in
+        state slot `slot` (a checkpoint inside the chunk): each GDN layer runs its conv and delta
+        rule over the two parts and copies the lane's conv/recurrent state to `slot` between them;
+        the projections, attention and MLPs run once over the whole chunk."""
+        if not 0 < at < len(tokens):
+            raise ValueError(f"snapshot position {at} outside the chunk of {len(tokens)} tokens")
+        self._check_slot(slot)
+        if slot == seq.slot:
+            raise ValueError("the snapshot slot is the lane's own state slot")
+        seg = self._segment(seq, len(tokens), offset=0)
+        self._check_tokens(tokens)
+        ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
+        return self.model.logits(self._prefill_body(seg, ids, snap=(at, slot))[-1])
+
+    def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None) -> torch.Tensor:
         model, cache, ps = self.model, self.cache, self.cache.page_size
         t = ids.shape[0]
         pos = torch.arange(seg.start, seg.start + t, device=self.device)
@@ -361,7 +377,7 @@ class GpuQwen35Runner(Qwen35Runner):
 
         def mixer(i, layer, h):
             if layer.layer_type == "linear_attention":
-                return self._gdn_prefill(i, layer.linear_attn, h, seg.slot)
+                return self._gdn_prefill(i, layer.linear_attn, h, seg.slot, snap)
             q, gate, k, v = self._attn_project(i, layer.self_attn, h, cos, sin)
             kc, vc = cache.kv[i]
             kc[wpage, wrow] = k.to(kc.dtype)
@@ -371,12 +387,27 @@ class GpuQwen35Runner(Qwen35Runner):
 
         return self._stack(x, mixer)
 
-    def _gdn_prefill(self, i, mod, h, slot: int):
+    def _gdn_prefill(self, i, mod, h, slot: int, snap: tuple[int, int] | None = None):
         t = h.shape[0]
         proj = F.linear(h, self.fused[i].w_in)
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
+        if snap is None:
+            core = self._gdn_core(i, mod, mixed, a_raw, b_raw, slot)
+        else:  # the state after the first `at` rows goes to slot `dst` (prefill_with_snapshot)
+            at, dst = snap
+            first = self._gdn_core(i, mod, mixed[:at], a_raw[:at], b_raw[:at], slot)
+            self.cache.conv[i][dst].copy_(self.cache.conv[i][slot])
+            self.cache.ssm[i][dst].copy_(self.cache.ssm[i][slot])
+            core = torch.cat([first, self._gdn_core(i, mod, mixed[at:], a_raw[at:], b_raw[at:], slot)])
+        out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
+        return F.linear(out.reshape(t, vd), mod.out_proj.weight)
+
+    def _gdn_core(self, i, mod, mixed, a_raw, b_raw, slot: int) -> torch.Tensor:
+        """Conv (+ SiLU) and the gated delta rule over a chunk's rows from the slot's state,
+        advancing it -> core output [T, Hv, dv]."""
+        t = mixed.shape[0]
         conv_out = K.conv_prefill(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slot)
         if t <= K.RECURRENT_PREFILL_MAX_T and K.use_triton(conv_out):
             core = K.gdn_prefill_recurrent(conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slot,
@@ -387,5 +418,4 @@ class GpuQwen35Runner(Qwen35Runner):
                 core = self._gdn_graphs.run(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
             if core is None:
                 core = gdn_prefill(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
-        out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
-        return F.linear(out.reshape(t, vd), mod.out_proj.weight)
+        return core
