@@ -1,28 +1,30 @@
 """MoE expert kernels of the GPU path (Qwen3.5-MoE), each with the torch reference it is tested
 against.
 
-Decode (a few tokens): the router's logits by one matmul, then three Triton launches, no host
+Decode (a few tokens): the router's logits by one matmul, then four Triton launches, no host
 synchronisation (CUDA-Graph safe), each chosen expert's rows read straight from the fused expert
-tensors by the expert id the router left on the device:
+tensors by the expert id the router left on the device (`moe_decode`):
 
 - `_route_topk_kernel` (`route_topk`): per token, the fp32 softmax over the experts, the top k
   (largest first, lowest id on a tie) and their normalisation, in place of ~5 torch launches.
-
-- `_moe_gate_up_act_kernel` (`moe_decode`): one program per (token row, k-slot, block of intermediate columns);
-  the k-slot past the routed ones is the shared expert. It computes the gate and the up rows of the
-  block (fp32 accumulation, each rounded to the dtype like a bf16 matmul output) and writes
+- `_moe_gate_up_act_kernel`: one program per (token row, k-slot, block of intermediate columns);
+  the k-slot past the routed ones is the shared expert. It computes the gate and the up rows of
+  the block (fp32 accumulation, each rounded to the dtype like a bf16 matmul output) and writes
   silu(gate) * up with the rounding of `kernels.silu_mul` (silu rounded, then the product).
-- `_moe_down_combine_kernel`: one program per (token row, block of hidden rows); for each routed
-  expert the down GEMV (fp32, rounded), times its routing weight, summed in fp32 and rounded; then
-  the shared expert's down GEMV times sigmoid(shared gate), added (bf16 roundings as the module).
+- `_moe_down_kernel`: one program per (token row, k-slot, block of hidden rows): the down GEMV
+  (fp32, rounded to the dtype as a bf16 matmul output), each program one weight tile, so many
+  loads are in flight at batch 1.
+- `_moe_combine_kernel`: per token, the routed rows times their routing weights summed in fp32
+  and rounded, plus the shared expert's row times sigmoid(shared gate . x) (bf16 roundings of the
+  module: routed + sigmoid(gate) * shared).
 
 Prefill (longer chunks, `grouped_experts`): the token-expert pairs are sorted by expert on the
 device, the per-expert row ends computed on the device (searchsorted, no bincount/`.tolist()`), and
 gate/up and down run as two grouped GEMMs (`torch._grouped_mm`, bf16 on sm90) over the sorted rows;
 `_combine_rows_kernel` then sums each token's k result rows (found through the inverse
-permutation) times their routing weights in fp32. Where
-`_grouped_mm` is missing or refuses the input, `grouped_experts` returns None and the caller runs
-the expert loop (`moe.Experts.forward_loop`, the reference).
+permutation) times their routing weights in fp32. Where `_grouped_mm` is missing or refuses the
+input, `grouped_experts` returns None and the caller runs the expert loop
+(`moe.Experts.forward_loop`, the reference).
 """
 
 from __future__ import annotations
@@ -233,43 +235,48 @@ if HAVE_TRITON:
         tl.store(ACT + p * s_a + offs_n, (s * u).to(dt), mask=nmask)
 
     @triton.jit
-    def _moe_down_combine_kernel(
-        X, ACT, TOPI, TOPW, WD, SD, SGATE, O, H, I,
-        s_x, s_a, s_we, s_wh, s_sd, s_o,
+    def _moe_down_kernel(
+        ACT, TOPI, WD, SD, Y, H, I,
+        s_a, s_we, s_wh, s_sd, s_y,
+        KTOP: tl.constexpr, SLOTS: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    ):
+        p = tl.program_id(0).to(tl.int64)  # token * SLOTS + slot
+        tok = p // SLOTS
+        j = p % SLOTS
+        offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+        offs_k = tl.arange(0, BK)
+        hmask = offs_h < H
+        if j < KTOP:
+            e = tl.load(TOPI + tok * KTOP + j).to(tl.int64)
+            w_ptr = WD + e * s_we + offs_h[:, None] * s_wh
+        else:
+            w_ptr = SD + offs_h[:, None] * s_sd
+        acc = tl.zeros([BH], tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + offs_k
+            kmask = kk < I
+            a = tl.load(ACT + p * s_a + kk, mask=kmask, other=0.0).to(tl.float32)
+            wd = tl.load(w_ptr + kk[None, :], mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(wd * a[None, :], 1)
+        tl.store(Y + p * s_y + offs_h, acc.to(Y.dtype.element_ty), mask=hmask)
+
+    @triton.jit
+    def _moe_combine_kernel(
+        X, Y, TOPW, SGATE, O, H, s_x, s_y, s_o,
         KTOP: tl.constexpr, SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr,
-        BH: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr,
+        BH: tl.constexpr, BX: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-        offs_k = tl.arange(0, BK)
         hmask = offs_h < H
         dt = O.dtype.element_ty
         out = tl.zeros([BH], tl.float32)
         for j in tl.static_range(KTOP):
-            e = tl.load(TOPI + tok * KTOP + j).to(tl.int64)
             w = tl.load(TOPW + tok * KTOP + j).to(tl.float32)
-            row = ACT + (tok * SLOTS + j) * s_a
-            acc = tl.zeros([BH], tl.float32)
-            for k0 in range(0, I, BK):
-                kk = k0 + offs_k
-                kmask = kk < I
-                a = tl.load(row + kk, mask=kmask, other=0.0).to(tl.float32)
-                wd = tl.load(WD + e * s_we + offs_h[:, None] * s_wh + kk[None, :],
-                             mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(wd * a[None, :], 1)
-            out += acc.to(dt).to(tl.float32) * w
+            out += tl.load(Y + (tok * SLOTS + j) * s_y + offs_h, mask=hmask, other=0.0).to(tl.float32) * w
         res = out.to(dt).to(tl.float32)
         if HAS_SHARED:
-            row = ACT + (tok * SLOTS + KTOP) * s_a
-            acc = tl.zeros([BH], tl.float32)
-            for k0 in range(0, I, BK):
-                kk = k0 + offs_k
-                kmask = kk < I
-                a = tl.load(row + kk, mask=kmask, other=0.0).to(tl.float32)
-                wd = tl.load(SD + offs_h[:, None] * s_sd + kk[None, :],
-                             mask=hmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(wd * a[None, :], 1)
-            ys = acc.to(dt).to(tl.float32)
+            ys = tl.load(Y + (tok * SLOTS + KTOP) * s_y + offs_h, mask=hmask, other=0.0).to(tl.float32)
             offs_x = tl.arange(0, BX)
             gacc = tl.zeros([BX], tl.float32)
             for k0 in range(0, H, BX):
@@ -280,8 +287,7 @@ if HAVE_TRITON:
                 gacc += xv * gw
             glog = tl.sum(gacc, 0).to(dt).to(tl.float32)
             sig = tl.sigmoid(glog).to(dt).to(tl.float32)
-            sh = (sig * ys).to(dt).to(tl.float32)
-            res = res + sh
+            res = res + (sig * ys).to(dt).to(tl.float32)
         tl.store(O + tok * s_o + offs_h, res.to(dt), mask=hmask)
 
 
@@ -298,9 +304,17 @@ def route_topk(logits, k: int, normalize: bool):
     return top_w, top_i
 
 
+# decode tile sizes (not tuned on a device yet): at batch 1 of the 35B-A3B shape (I = 512,
+# H = 2048, 8 + 1 experts) gate/up runs 9 x 64 programs of 8 x 512-column tiles (two weight
+# tiles in flight per program), down 9 x 128 programs of one 16 x 512 tile each
+GATE_UP_BN, GATE_UP_BK = 8, 512
+DOWN_BH, DOWN_BK = 16, 512
+COMBINE_BH = 1024
+
+
 def moe_decode(x, top_w, top_i, gate_up, down, shared=None):
-    """The MoE block for a few tokens (see ref_moe_decode for the arguments): two Triton launches
-    when triton runs on x's device, otherwise the reference."""
+    """The MoE block for a few tokens (see ref_moe_decode for the arguments): three Triton
+    launches when triton runs on x's device, otherwise the reference."""
     if not use_triton(x) or x.dim() != 2:
         return ref_moe_decode(x, top_w, top_i, gate_up, down, shared)
     n, hidden = x.shape
@@ -326,20 +340,24 @@ def moe_decode(x, top_w, top_i, gate_up, down, shared=None):
         wsg = x
     slots = k + (1 if has_shared else 0)
     act = torch.empty(n * slots, inter, dtype=x.dtype, device=x.device)
-    bn = 16
-    bk = min(256, triton.next_power_of_2(hidden))
-    _moe_gate_up_act_kernel[(n * slots, triton.cdiv(inter, bn))](
+    _moe_gate_up_act_kernel[(n * slots, triton.cdiv(inter, GATE_UP_BN))](
         x, top_i, gate_up, wg, wu, act, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), wg.stride(0), wu.stride(0), act.stride(0),
-        KTOP=k, SLOTS=slots, HAS_SHARED=has_shared, BN=bn, BK=bk, num_warps=4,
+        KTOP=k, SLOTS=slots, HAS_SHARED=has_shared, BN=GATE_UP_BN,
+        BK=min(GATE_UP_BK, triton.next_power_of_2(hidden)), num_warps=4,
     )
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-    bh = 8 if n <= 2 else 16  # enough programs to cover the SMs at batch 1
-    bk2 = min(256, triton.next_power_of_2(inter))
-    bx = min(1024, triton.next_power_of_2(hidden))
-    _moe_down_combine_kernel[(n, triton.cdiv(hidden, bh))](
-        x, act, top_i, top_w, down, wd, wsg, out, hidden, inter,
-        x.stride(0), act.stride(0), down.stride(0), down.stride(1), wd.stride(0), out.stride(0),
-        KTOP=k, SLOTS=slots, HAS_SHARED=has_shared, BH=bh, BK=bk2, BX=bx, num_warps=4,
+    y = torch.empty(n * slots, hidden, dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(n * slots, triton.cdiv(hidden, DOWN_BH))](
+        act, top_i, down, wd, y, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), wd.stride(0), y.stride(0),
+        KTOP=k, SLOTS=slots, BH=DOWN_BH, BK=min(DOWN_BK, triton.next_power_of_2(inter)), num_warps=4,
+    )
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    bh = min(COMBINE_BH, triton.next_power_of_2(hidden))
+    _moe_combine_kernel[(n, triton.cdiv(hidden, bh))](
+        x, y, top_w, wsg, out, hidden, x.stride(0), y.stride(0), out.stride(0),
+        KTOP=k, SLOTS=slots, HAS_SHARED=has_shared, BH=bh, BX=min(1024, triton.next_power_of_2(hidden)),
+        num_warps=4,
     )
     return out

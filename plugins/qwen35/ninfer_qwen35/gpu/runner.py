@@ -325,11 +325,11 @@ class GpuQwen35Runner(Qwen35Runner):
 
     @staticmethod
     def _moe_few_tokens(mlp, h):
-        """MoE for a decode round (a few tokens): the router's logits by one matmul, then Triton
-        launches (gpu/moe_kernels.py): softmax/top-k/normalise, and two that read each chosen
-        expert's rows straight from the fused expert tensors by the ids on the device (gate/up +
-        SiLU*up, then down + routing-weight combine + gated shared expert). No expert counts come
-        back to the host, so the round has no synchronisation and is CUDA-graph safe."""
+        """MoE for a decode round (a few tokens): the router's logits by one matmul, then four
+        Triton launches (gpu/moe_kernels.py): softmax/top-k/normalise; gate/up + SiLU*up and
+        down GEMVs that read each chosen expert's rows straight from the fused expert tensors by
+        the ids on the device; the routing-weight combine + gated shared expert. No expert counts
+        come back to the host, so the round has no synchronisation and is CUDA-graph safe."""
         router = mlp.gate
         top_w, top_i = MK.route_topk(F.linear(h, router.weight), router.top_k, router.normalize)  # [N, k]
         ex, se = mlp.experts, mlp.shared_expert
