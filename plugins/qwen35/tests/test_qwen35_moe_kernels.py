@@ -84,3 +84,37 @@ def test_moe_block_forward_unchanged_on_cpu():
     top_w, top_i = blk.gate(x)
     want = blk.experts.forward_loop(x, top_w, top_i) + torch.sigmoid(blk.shared_expert_gate(x)) * blk.shared_expert(x)
     assert torch.equal(blk(x), want)
+
+
+def test_grouped_falls_back_once_refused_and_never_on_out_of_memory():
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    top_w = torch.full((5, 2), 0.5, dtype=torch.bfloat16)
+    top_i = torch.randint(0, 4, (5, 2), generator=torch.Generator().manual_seed(0))
+    gu, dn = torch.randn(4, 8, 16).bfloat16(), torch.randn(4, 16, 4).bfloat16()
+    calls = []
+
+    def oom(*a):
+        raise torch.OutOfMemoryError("out of memory")
+
+    def refuse(*a):
+        calls.append(1)
+        raise RuntimeError("grouped gemm: unsupported layout\ndetails")
+
+    MK._GMM_REFUSED.clear()
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            MK.grouped_experts(x, top_w, top_i, gu, dn, gmm=oom)
+        assert not MK._GMM_REFUSED
+        assert MK.grouped_experts(x, top_w, top_i, gu, dn, gmm=refuse) is None
+        assert MK.grouped_experts(x, top_w, top_i, gu, dn, gmm=refuse) is None
+        assert len(calls) == 1 and len(MK._GMM_REFUSED) == 1
+        ((key, why),) = MK._GMM_REFUSED
+        assert key == ("cpu", torch.bfloat16) and "unsupported layout" in why and "details" not in why
+    finally:
+        MK._GMM_REFUSED.clear()
+    out = MK.grouped_experts(x, top_w, top_i, gu, dn, gmm=MK.loop_grouped_mm)
+    import gpu_kernel_cases as c
+
+    assert c.rel(out, c._expert_loop(x, top_w, top_i, gu, dn)) < 1e-2

@@ -135,12 +135,16 @@ def combine_rows(y, pos, top_w):
 _GMM_REFUSED: set = set()  # ((device type, dtype), error) where torch._grouped_mm failed once
 
 
-def grouped_experts(x, top_w, top_i, gate_up, down):
-    """Sync-free grouped-GEMM experts on CUDA, or None where torch._grouped_mm is missing or
-    refuses this input (the caller then runs the expert loop)."""
-    gmm = getattr(torch, "_grouped_mm", None)
+def grouped_experts(x, top_w, top_i, gate_up, down, gmm=None):
+    """Sync-free grouped-GEMM experts on CUDA (bf16), or None where torch._grouped_mm is missing or
+    refuses this input (the caller then runs the expert loop); after one refusal for a device type
+    and dtype, later calls return None at once. `gmm` replaces torch._grouped_mm (tests)."""
+    if gmm is None:
+        gmm = getattr(torch, "_grouped_mm", None)
+        if gmm is None or not x.is_cuda or x.dtype != torch.bfloat16:
+            return None
     key = (x.device.type, x.dtype)
-    if gmm is None or not x.is_cuda or x.dtype != torch.bfloat16 or any(r[0] == key for r in _GMM_REFUSED):
+    if any(r[0] == key for r in _GMM_REFUSED):
         return None
     try:
         return grouped_experts_with(gmm, x, top_w, top_i, gate_up, down)

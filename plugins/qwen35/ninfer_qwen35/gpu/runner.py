@@ -34,7 +34,7 @@ from ninfer_qwen35.runner import Qwen35Runner
 log = logging.getLogger("ninfer.qwen35.gpu")
 
 MAX_GRAPH_BATCH = 8
-MOE_GATHER_MAX_TOKENS = 8  # decode rounds: gathered-expert GEMVs; longer chunks loop over experts
+MOE_GATHER_MAX_TOKENS = 8  # decode rounds: the MoE GEMV kernels; longer chunks grouped GEMMs (moe_kernels)
 _META = 6  # token, position, slot, seq_len, write page, write row
 
 
