@@ -131,3 +131,44 @@ def test_moe_graph_replay_equals_eager(moe):
     errs = [rel(a, b) for a, b in zip(out[True], out[False])]
     print(f"MoE graph vs eager decode: worst rel err {max(errs):.2e}")
     assert max(errs) <= 1e-3
+
+
+def _cuda_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def test_moe_layer_timings_printed(moe):
+    """Figures for the log only (no timed assertion): one MoE layer's decode (kernels vs the old
+    gathered-copy bmm reference) and a 4096-token chunk (grouped GEMMs vs the expert loop)."""
+    from ninfer_qwen35.gpu import moe_kernels as MK
+
+    mlp = moe.model.layers[2].mlp
+    ex, se = mlp.experts, mlp.shared_expert
+    shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, mlp.shared_expert_gate.weight)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    expert_bytes = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * 2
+    with torch.inference_mode():
+        for n in (1, 8):
+            h = torch.randn(n, moe.cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+            top_w, top_i = mlp.gate(h)
+            t_new = _cuda_ms(lambda: moe._moe_few_tokens(mlp, h))
+            t_kern = _cuda_ms(lambda: MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared))
+            t_old = _cuda_ms(lambda: MK.ref_moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared))
+            moved = n * (top_i.shape[1] + 1) * expert_bytes
+            print(f"MoE decode layer n={n}: with router {t_new * 1e3:.1f} us, expert kernels {t_kern * 1e3:.1f} us "
+                  f"({moved / t_kern / 1e6:.0f} GB/s of weight rows), gathered bmm reference {t_old * 1e3:.1f} us")
+        h = torch.randn(4096, moe.cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+        top_w, top_i = mlp.gate(h)
+        t_grp = _cuda_ms(lambda: ex(h, top_w, top_i), reps=5)
+        t_loop = _cuda_ms(lambda: ex.forward_loop(h, top_w, top_i), reps=5)
+        flops = 2 * h.shape[0] * top_i.shape[1] * expert_bytes / 2
+        print(f"MoE experts, 4096-token chunk: grouped {t_grp:.2f} ms ({flops / t_grp / 1e9:.0f} TFLOP/s), "
+              f"expert loop {t_loop:.2f} ms, grouped path refused: {sorted(MK._GMM_REFUSED) or 'no'}")
