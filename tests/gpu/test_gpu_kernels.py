@@ -135,6 +135,8 @@ def test_fla_prefill_graphs_match_eager():
                       b_raw[:1].expand(1100, -1), ssm, 1) is None  # past the largest bucket: eager
 
 
+@pytest.mark.xfail(strict=True, reason="K.gdn_decode_fused is 0.12 away from the chain on the H200 (exact under "
+                   "the interpreter); GpuQwen35Runner.gdn_decode_fusion keeps it off until this passes")
 def test_gdn_decode_fused_matches_chain_9b_and_27b_heads():
     """One launch per GDN layer against the conv_update -> gdn_decode -> gated_rmsnorm chain (same
     rounding points: only fp32 summation order differs, so the bound is tight; the torch reference
