@@ -191,9 +191,10 @@ class PhaseTimer:
     """--profile-replay: wraps the runner's and the catalog's calls with device-synchronised wall
     clocks. `events` collects (phase, ms, detail) for the request being served."""
 
-    RUNNER = ("prefill", "decode", "restore_state", "capture_state", "copy_slot", "copy_page", "read_pages",
+    RUNNER = ("prefill", "prefill_with_snapshot", "decode", "restore_state", "capture_state", "copy_slot", "copy_page", "read_pages",
               "write_pages", "reset_slot")
-    CACHE = ("make_room", "admit", "materialize", "after_chunk", "on_finish")
+    CACHE = ("make_room", "admit", "materialize", "reserve_capture_slot", "capture_reserved", "after_chunk",
+             "on_finish")
 
     def __init__(self, runner, cache):
         self.events: list[tuple[str, float, str]] = []
@@ -219,8 +220,10 @@ class PhaseTimer:
                 self._sync()
                 self._depth -= 1
                 detail = ""
-                if name == "prefill" and len(args) >= 2:
+                if name in ("prefill", "prefill_with_snapshot") and len(args) >= 2:
                     detail = f"start={args[0].num_cached} T={len(args[1])}"
+                    if len(args) >= 3:
+                        detail += f" capture at +{args[2]}"
                 self.events.append((name, (time.perf_counter() - t0) * 1e3, detail))
         return timed
 
