@@ -613,11 +613,10 @@ if HAVE_TRITON:
         tl.store(OUT + b * s_ob + c, (acc * tl.sigmoid(acc)).to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _qk_norm_rope_kernel(Q, K, QW, KW, COS, SIN, QO, KO, eps,
-                             s_qn, s_qh, s_kn, s_kh, s_cn, s_qon, s_qoh, s_kon, s_koh,
-                             H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+    def _norm_rope_head(Q, K, QW, KW, COS, SIN, QO, n, h, eps, s_qn, s_qh, s_kn, s_kh, s_cn, s_qon, s_qoh,
+                        H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+        """Program (n, h) of the q/k norm + partial-RoPE kernels: heads h < H are q heads (stored to
+        QO here), the rest k heads; returns the rotated row, its k head and the head vector."""
         is_q = h < H
         hq = tl.minimum(h, H - 1)
         hk = tl.maximum(h - H, 0)
@@ -642,6 +641,16 @@ if HAVE_TRITON:
         out = tl.where(in_rot, y * cs + sign * yp * sn, y).to(QO.dtype.element_ty)
         hvec = tl.zeros([D], dtype=tl.int32) + h
         tl.store(QO + n * s_qon + hq * s_qoh + d, out, mask=hvec < H)
+        return out, hk, hvec, d
+
+    @triton.jit
+    def _qk_norm_rope_kernel(Q, K, QW, KW, COS, SIN, QO, KO, eps,
+                             s_qn, s_qh, s_kn, s_kh, s_cn, s_qon, s_qoh, s_kon, s_koh,
+                             H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        out, hk, hvec, d = _norm_rope_head(Q, K, QW, KW, COS, SIN, QO, n, h, eps, s_qn, s_qh, s_kn, s_kh, s_cn,
+                                           s_qon, s_qoh, H, D, ROT)
         tl.store(KO + n * s_kon + hk * s_koh + d, out, mask=hvec >= H)
 
 
@@ -854,30 +863,8 @@ if HAVE_TRITON:
         the paged caches (both caches share one layout) instead of returning k."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        is_q = h < H
-        hq = tl.minimum(h, H - 1)
-        hk = tl.maximum(h - H, 0)
-        d = tl.arange(0, D)
-        half: tl.constexpr = ROT // 2
-        partner = tl.where(d < half, d + half, d - half)
-        in_rot = d < ROT
-        pq = Q + n * s_qn + hq * s_qh
-        pk = K + n * s_kn + hk * s_kh
-        x = tl.where(is_q, tl.load(pq + d), tl.load(pk + d)).to(tl.float32)
-        w = tl.where(is_q, tl.load(QW + d), tl.load(KW + d)).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        y = (x * r * (1.0 + w)).to(QO.dtype.element_ty).to(tl.float32)
-        xp = tl.where(is_q, tl.load(pq + partner, mask=in_rot, other=0.0),
-                      tl.load(pk + partner, mask=in_rot, other=0.0)).to(tl.float32)
-        wp = tl.where(is_q, tl.load(QW + partner, mask=in_rot, other=0.0),
-                      tl.load(KW + partner, mask=in_rot, other=0.0)).to(tl.float32)
-        yp = (xp * r * (1.0 + wp)).to(QO.dtype.element_ty).to(tl.float32)
-        cs = tl.load(COS + n * s_cn + d, mask=in_rot, other=1.0).to(tl.float32)
-        sn = tl.load(SIN + n * s_cn + d, mask=in_rot, other=0.0).to(tl.float32)
-        sign = tl.where(d < half, -1.0, 1.0)
-        out = tl.where(in_rot, y * cs + sign * yp * sn, y).to(QO.dtype.element_ty)
-        hvec = tl.zeros([D], dtype=tl.int32) + h
-        tl.store(QO + n * s_qon + hq * s_qoh + d, out, mask=hvec < H)
+        out, hk, hvec, d = _norm_rope_head(Q, K, QW, KW, COS, SIN, QO, n, h, eps, s_qn, s_qh, s_kn, s_kh, s_cn,
+                                           s_qon, s_qoh, H, D, ROT)
         page = tl.load(WPAGE + n).to(tl.int64)
         dst = page * s_cp + tl.load(WROW + n).to(tl.int64) * s_cr + hk * s_ch + d
         kmask = hvec >= H
