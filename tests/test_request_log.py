@@ -110,6 +110,7 @@ def test_request_records(logged_run):
     rejected = recs[4]
     assert rejected["phase"] == "prepare" and rejected["status"] == 400
     assert rejected["code"] == "context_length_exceeded"
+    assert "message" not in rejected  # error texts can quote client values
     comp = recs[6]
     assert comp["endpoint"] == "/v1/completions" and recs[5]["requested_output_tokens"] == 4
     assert recs[5]["explicit_output_limit"] is True

@@ -197,7 +197,7 @@ def log_rejection(ctx: Any, err: Any) -> None:
     s.request_id = rlog.next_request_id()
     rlog.write("request_rejected", request_id=s.request_id, endpoint=s.endpoint, protocol=PROTOCOLS[s.endpoint],
                phase="prepare", status=err.status, type=err.type, code=err.code, param=err.param,
-               message=err.message, timings_seconds={"prepare": time.monotonic() - s.t_arrival})
+               timings_seconds={"prepare": time.monotonic() - s.t_arrival})
 
 
 # -- the engine wrapper -----------------------------------------------------------------------------
@@ -324,7 +324,9 @@ class _Tracker:
     def _error(self, now: float, phase: str, err: Any, ev: Any) -> None:
         rec: dict[str, Any] = dict(self._base(), phase=phase, timings_seconds=self._timings(now, ev))
         if err is not None:
-            rec.update(status=err.status, type=err.type, code=err.code, message=err.message)
+            # no message: error texts can quote client values (model names, tool names, schema
+            # paths), and the spec keeps arbitrary client error messages out of these records
+            rec.update(status=err.status, type=err.type, code=err.code)
         else:
             rec.update(finish_reason="cancelled")
             if ev.usage is not None:
