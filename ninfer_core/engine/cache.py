@@ -489,13 +489,12 @@ class ContextCache:
         plan.materialized = True
 
     # -- capture ------------------------------------------------------------------------------------
-    def next_split(self, seq: Sequence) -> int | None:
-        """The next planned capture frontier above the lane's position, if any."""
+    def splits_ahead(self, seq: Sequence) -> list[int]:
+        """The planned capture frontiers above the lane's position, in order."""
         plan = getattr(seq, "cache_plan", None)
         if plan is None:
-            return None
-        ahead = [p for p in plan.captures if p > seq.num_cached]
-        return min(ahead) if ahead else None
+            return []
+        return sorted(p for p in plan.captures if p > seq.num_cached)
 
     def after_chunk(self, seq: Sequence, now: float) -> None:
         """Capture at a planned frontier the prefill chunk just reached."""

@@ -402,7 +402,7 @@ class Engine:
         end = min(start + self.options.prefill_chunk, seq.prompt_len)
         snap = None  # (frontier, reserved state slot): a capture inside this chunk
         if self.cache is not None:
-            ahead = sorted(p for p in getattr(getattr(seq, "cache_plan", None), "captures", {}) if p > start)
+            ahead = self.cache.splits_ahead(seq)
             if ahead and ahead[0] < end:
                 with self._cv:
                     slot = self.cache.reserve_capture_slot(seq, ahead[0], time.monotonic())
