@@ -238,11 +238,9 @@ if HAVE_TRITON:
 
     # S (the split count) is a runtime value and SP a fixed bound, so a new split count never
     # compiles a new kernel inside a request.
-    @triton.jit(do_not_specialize=["S"])
-    def _decode_combine_kernel(O_PART, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_qb, s_qh, S,
-                               H: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+    @triton.jit
+    def _combine_splits(O_PART, LSE, b, h, s_ob, s_oh, s_os, s_lb, s_lh, S, SP: tl.constexpr, D: tl.constexpr):
+        """Row (b, h) of the split partial outputs combined by their log-sum-exp weights (fp32 [D])."""
         offs_s = tl.arange(0, SP)
         offs_d = tl.arange(0, D)
         smask = offs_s < S
@@ -251,8 +249,15 @@ if HAVE_TRITON:
         w = tl.exp(lse - top)  # empty splits: exp(-inf) = 0
         part = tl.load(O_PART + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :],
                        mask=smask[:, None], other=0.0)
-        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(OUT + b * s_qb + h * s_qh + offs_d, out.to(OUT.dtype.element_ty))
+        return tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+
+    @triton.jit(do_not_specialize=["S"])
+    def _decode_combine_kernel(O_PART, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_qb, s_qh, S,
+                               H: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        out = _combine_splits(O_PART, LSE, b, h, s_ob, s_oh, s_os, s_lb, s_lh, S, SP, D)
+        tl.store(OUT + b * s_qb + h * s_qh + tl.arange(0, D), out.to(OUT.dtype.element_ty))
 
 
 COMBINE_MAX_SPLITS = 64
@@ -339,11 +344,9 @@ def decode_split_pages(table_width: int) -> int:
     return max(4, -(-table_width // 64))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None):
-    """See ref_paged_decode_attention. block_table int32 [B, W]; seq_lens int32 [B] on q's device.
-    Launch shapes depend only on B and W, so the call is CUDA-graph safe."""
-    if not use_triton(q):
-        return ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None):
+    """The split (flash-decoding) pass of paged decode attention: per lane, head and split of the
+    pages, the partial output and its log-sum-exp -> (o_part [B, H, S, D] fp32, lse [B, H, S], S)."""
     b, h, d = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
@@ -361,6 +364,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pa
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps,
         num_warps=4,
     )
+    return o_part, lse, splits
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None):
+    """See ref_paged_decode_attention. block_table int32 [B, W]; seq_lens int32 [B] on q's device.
+    Launch shapes depend only on B and W, so the call is CUDA-graph safe."""
+    if not use_triton(q):
+        return ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+    b, h, d = q.shape
+    o_part, lse, splits = _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split)
     out = torch.empty_like(q)
     _decode_combine_kernel[(b, h)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
@@ -879,16 +892,9 @@ if HAVE_TRITON:
         stored as rows [B, H*D] ready for o_proj."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        offs_s = tl.arange(0, SP)
         offs_d = tl.arange(0, D)
-        smask = offs_s < S
-        lse = tl.load(LSE + b * s_lb + h * s_lh + offs_s, mask=smask, other=float("-inf"))
-        top = tl.max(lse, 0)
-        w = tl.exp(lse - top)
-        part = tl.load(O_PART + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :],
-                       mask=smask[:, None], other=0.0)
         dt = OUT.dtype.element_ty
-        o = (tl.sum(part * w[:, None], 0) / tl.sum(w, 0)).to(dt).to(tl.float32)
+        o = _combine_splits(O_PART, LSE, b, h, s_ob, s_oh, s_os, s_lb, s_lh, S, SP, D).to(dt).to(tl.float32)
         g = tl.load(GATE + b * s_gb + h * s_gh + offs_d).to(tl.float32)
         sg = tl.sigmoid(g).to(dt).to(tl.float32)
         tl.store(OUT + b * s_yb + h * D + offs_d, (o * sg).to(dt))
@@ -962,23 +968,9 @@ def paged_decode_attention_gated(q, k_cache, v_cache, block_table, seq_lens, sca
     may be a strided view. Returns [B, H*D]; CUDA-graph safe like paged_decode_attention."""
     if not use_triton(q):
         return ref_paged_decode_attention_gated(q, k_cache, v_cache, block_table, seq_lens, scale, gate)
+    assert gate.stride(2) == 1
     b, h, d = q.shape
-    page, kvh = k_cache.shape[1], k_cache.shape[2]
-    g = h // kvh
-    w = block_table.shape[1]
-    assert seq_lens.is_contiguous() and block_table.stride(1) == 1 and q.is_contiguous() and gate.stride(2) == 1
-    pps = pages_per_split or decode_split_pages(w)
-    splits = -(-w // pps)
-    o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
-    _paged_decode_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps,
-        num_warps=4,
-    )
+    o_part, lse, splits = _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split)
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     _decode_combine_gated_kernel[(b, h)](
         o_part, lse, gate, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
