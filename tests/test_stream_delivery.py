@@ -184,7 +184,6 @@ def test_engine_wakes_the_loop_once_per_round_not_per_token(runner_cls):
     # every token prints: the toy's logits pick among the printable bytes only
     runner = runner_cls(policy=lambda prefix: 97 + (len(prefix) * 7) % 26)
     eng = Engine(runner, tok, EngineOptions(max_context=256, max_concurrency=4))
-    eng.start()
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -198,6 +197,9 @@ def test_engine_wakes_the_loop_once_per_round_not_per_token(runner_cls):
         loop.call_soon_threadsafe = counting
         handles = [eng.submit(GenerationRequest(prompt_ids=[1, 2, 3 + i], sampling=SamplingParams(temperature=0.0),
                                                 max_tokens=24, ignore_eos=True)) for i in range(4)]
+        # all four wait before the worker starts, so they run in the same rounds on any machine
+        # (started first, a busy CI host let the worker run a lane alone before the next arrived)
+        eng.start()
         outs = await asyncio.gather(*(collect(h) for h in handles))
         loop.call_soon_threadsafe = original
         return calls, outs
