@@ -330,52 +330,6 @@ def _expert_loop(x, top_w, top_i, gate_up, down):
     return Experts.forward_loop(ex, x, top_w, top_i)
 
 
-def gdn_decode_fused(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, steps=3, tol=1e-2, chain_tol=None):
-    """The one-launch GDN decode (conv + delta step + gated norm from the fused projection row)
-    against the three-kernel chain (conv_update -> gdn_decode_inplace -> gated_rmsnorm) and the torch
-    references, over several steps (the q/k conv state is shifted by the last program of each key
-    head's group and its counters re-armed: a wrong hand-off shows at the next step)."""
-    gen = torch.Generator(device=device).manual_seed(31)
-    dt = act_dtype(device)
-    slots_n = 6
-    c = 2 * hk * dk + hv * dv
-    width = c + hv * dv + 2 * hv
-    conv_w = (torch.randn(c, 4, generator=gen, device=device) * 0.5).to(dt)
-    A_log = torch.rand(hv, generator=gen, device=device) * 2
-    dt_bias = torch.randn(hv, generator=gen, device=device)
-    norm_w = (1 + 0.1 * torch.randn(dv, generator=gen, device=device)).to(dt)
-    conv = {n: torch.randn(slots_n, c, 3, generator=gen, device=device).to(dt) for n in ("fused", "chain", "ref")}
-    conv["chain"].copy_(conv["fused"])
-    conv["ref"].copy_(conv["fused"])
-    ssm = {n: torch.randn(slots_n, hv, dk, dv, generator=gen, device=device) * 0.5 for n in ("fused",)}
-    ssm["chain"], ssm["ref"] = ssm["fused"].clone(), ssm["fused"].clone()
-    slots = torch.tensor([4, 0, 2, 5, 1][:batch], dtype=torch.int64, device=device)
-    worst_chain = worst_ref = 0.0
-    for step in range(steps):
-        proj = torch.randn(batch, width + 8, generator=gen, device=device).to(dt)[:, :width]  # strided rows
-        out = torch.full((batch, hv * dv), float("nan"), dtype=dt, device=device)
-        K.gdn_decode_fused(proj, conv["fused"], conv_w, A_log, dt_bias, ssm["fused"], slots, norm_w, 1e-6,
-                           hk, dk, dv, dk**-0.5, out=out)
-        mixed, z = proj[:, :c], proj[:, c:c + hv * dv]
-        b_raw, a_raw = proj[:, c + hv * dv:c + hv * dv + hv], proj[:, c + hv * dv + hv:]
-        co = K.conv_update(mixed, conv["chain"], conv_w, slots)
-        core = K.gdn_decode_inplace(co, a_raw, b_raw, A_log, dt_bias, ssm["chain"], slots, hk, dk, dv, dk**-0.5)
-        chain = K.gated_rmsnorm(core.reshape(-1, dv), z.reshape(-1, dv), norm_w, 1e-6).reshape(batch, -1)
-        ref = K.ref_gdn_decode_fused(proj, conv["ref"], conv_w, A_log, dt_bias, ssm["ref"], slots, norm_w, 1e-6,
-                                     hk, dk, dv, dk**-0.5)
-        e_chain = max(rel(out, chain), rel(ssm["fused"], ssm["chain"]))
-        e_ref = max(rel(out, ref), rel(ssm["fused"], ssm["ref"]), rel(conv["fused"], conv["ref"]))
-        assert torch.equal(conv["fused"], conv["chain"]), f"step {step}: conv state differs from the chain's"
-        diff = (out.float() - chain.float()).abs().max().item()
-        print(f"gdn decode fused step {step}: vs chain {e_chain:.2e} (max abs {diff:.2e}), vs reference {e_ref:.2e}")
-        assert e_chain < (chain_tol or tol / 2) and e_ref < tol, (e_chain, e_ref)
-        worst_chain, worst_ref = max(worst_chain, e_chain), max(worst_ref, e_ref)
-    untouched = [i for i in range(slots_n) if i not in slots.tolist()]
-    assert torch.equal(ssm["fused"][untouched], ssm["ref"][untouched])
-    assert torch.equal(conv["fused"][untouched], conv["ref"][untouched])
-    return worst_chain, worst_ref
-
-
 def attn_decode_fused(device="cpu", heads=8, kvh=2, d=64, rot=16, lens=(1, 70, 200, 64), page=64, tol=2e-2):
     """K/V rows written by the q/k norm + RoPE kernel and the output gate applied in the combine,
     against the chain (qk_norm_rope, index_put, paged decode, sigmoid * o) and the references."""

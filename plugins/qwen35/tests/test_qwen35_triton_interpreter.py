@@ -52,9 +52,5 @@ def test_conv_update_and_qk_norm_rope_kernels_match_reference():
     _run("conv_and_qk")
 
 
-def test_gdn_decode_fused_matches_chain_and_reference():
-    _run("gdn_decode_fused")
-
-
 def test_attention_decode_fused_kv_write_and_gate_match_chain_and_reference():
     _run("attn_decode_fused")

@@ -749,27 +749,10 @@ def qk_norm_rope(q, k, q_w, k_w, cos, sin, eps):
 
 
 # ------------------------------------------------------------------------------------------------
-# decode-step fusions (issue 6): one launch per GDN layer for conv + delta step + gated norm; the
-# attention decode writes its K/V rows inside the q/k norm + RoPE kernel and applies the output
-# gate inside the split combine. Same rounding points as the kernel chains they replace.
+# decode-step fusions (issue 6): the attention decode writes its K/V rows inside the q/k norm +
+# RoPE kernel and applies the output gate inside the split combine. Same rounding points as the
+# kernel chains they replace.
 # ------------------------------------------------------------------------------------------------
-def ref_gdn_decode_fused(proj, conv_all, conv_w, A_log, dt_bias, state, slots, norm_w, norm_eps,
-                         hk, dk, dv, scale, eps=1e-6):
-    """proj [B, C + HV*dv + 2*HV] = [mixed | z | b | a] (the fused GDN projection, C = 2*HK*dk +
-    HV*dv) -> GatedRMSNorm(gdn step(silu(conv update(mixed))), z) [B, HV*dv]; conv and recurrent
-    states updated in place at `slots`. The conv_update -> gdn_decode -> gated_rmsnorm chain."""
-    bsz = proj.shape[0]
-    c = conv_all.shape[1]
-    hv = (proj.shape[1] - c) // (dv + 2)
-    vd = hv * dv
-    mixed, z = proj[:, :c], proj[:, c:c + vd]
-    b_raw, a_raw = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:c + vd + 2 * hv]
-    conv_out = ref_conv_update(mixed, conv_all, conv_w, slots)
-    core = ref_gdn_decode(conv_out, a_raw, b_raw, A_log, dt_bias, state, slots, hk, dk, dv, scale, eps)
-    out = ref_gated_rmsnorm(core.reshape(-1, dv), z.reshape(-1, dv), norm_w, norm_eps)
-    return out.reshape(bsz, vd)
-
-
 def ref_qk_norm_rope_kv(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, wpage, wrow):
     """ref_qk_norm_rope, and the new k (normed, rotated) and v rows written into the paged caches at
     (wpage[n], wrow[n]). Returns q [N, H, D] contiguous."""
@@ -788,85 +771,6 @@ def ref_paged_decode_attention_gated(q, k_cache, v_cache, block_table, seq_lens,
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _conv4_column(ROW, CBASE, CW, ch, DT: tl.constexpr):
-        """Width-4 causal conv of one new column over channels ch: (silu(conv) rounded to DT, as
-        fp32; the state's new taps s1, s2, x)."""
-        x = tl.load(ROW + ch)
-        sp = CBASE + ch * 3
-        s0 = tl.load(sp)
-        s1 = tl.load(sp + 1)
-        s2 = tl.load(sp + 2)
-        wp = CW + ch * 4
-        acc = (s0.to(tl.float32) * tl.load(wp).to(tl.float32)
-               + s1.to(tl.float32) * tl.load(wp + 1).to(tl.float32)
-               + s2.to(tl.float32) * tl.load(wp + 2).to(tl.float32)
-               + x.to(tl.float32) * tl.load(wp + 3).to(tl.float32))
-        y = (acc * tl.sigmoid(acc)).to(DT).to(tl.float32)
-        return y, s1, s2, x.to(s2.dtype)
-
-    @triton.jit
-    def _gdn_decode_fused_kernel(
-        PROJ, CONV, CW, A_LOG, DT_BIAS, STATE, SLOTS, NW, OUT, CNT, scale, eps, norm_eps,
-        s_pb, s_c0, s_s0, s_s1, s_s2, s_ob,
-        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        hv = tl.program_id(1)
-        R: tl.constexpr = HV // HK
-        C: tl.constexpr = 2 * HK * DK + HV * DV
-        hk = hv // R
-        dt = OUT.dtype.element_ty
-        slot = tl.load(SLOTS + b).to(tl.int64)
-        offs_k = tl.arange(0, DK)
-        offs_v = tl.arange(0, DV)
-        row = PROJ + b.to(tl.int64) * s_pb
-        cbase = CONV + slot * s_c0
-        cq = hk * DK + offs_k
-        ck = HK * DK + hk * DK + offs_k
-        cv = 2 * HK * DK + hv * DV + offs_v
-        q, q1, q2, q3 = _conv4_column(row, cbase, CW, cq, dt)
-        k, k1, k2, k3 = _conv4_column(row, cbase, CW, ck, dt)
-        v, v1, v2, v3 = _conv4_column(row, cbase, CW, cv, dt)
-        # the value channels' conv state belongs to this program alone
-        tl.store(cbase + cv * 3, v1)
-        tl.store(cbase + cv * 3 + 1, v2)
-        tl.store(cbase + cv * 3 + 2, v3)
-        # gated delta step on the fp32 state slot, in place
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-        x = tl.load(row + C + HV * DV + HV + hv).to(tl.float32) + tl.load(DT_BIAS + hv).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * softplus
-        beta = tl.sigmoid(tl.load(row + C + HV * DV + hv).to(tl.float32))
-        sp = STATE + slot * s_s0 + hv * s_s1 + offs_k[:, None] * s_s2 + offs_v[None, :]
-        s = tl.load(sp) * tl.exp(g)
-        kv = tl.sum(s * k[:, None], 0)
-        u = beta * (v - kv)
-        s = s + k[:, None] * u[None, :]
-        o = tl.sum(s * q[:, None], 0)
-        tl.store(sp, s)
-        # gated RMSNorm of the head's output with z (rounded where the chain rounds)
-        o = o.to(dt).to(tl.float32)
-        r = tl.rsqrt(tl.sum(o * o, 0) / DV + norm_eps)
-        t = (o * r).to(dt).to(tl.float32)
-        t = (t * tl.load(NW + offs_v).to(tl.float32)).to(dt).to(tl.float32)
-        z = tl.load(row + C + hv * DV + offs_v).to(tl.float32)
-        tl.store(OUT + b.to(tl.int64) * s_ob + hv * DV + offs_v, (t * (z * tl.sigmoid(z))).to(dt))
-        # the q/k channels' conv state is read by the R programs of key head hk: the last of them to
-        # arrive (a per-(lane, key head) counter) shifts it, after every one has read it, and
-        # re-arms the counter for the next launch.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(CNT + b * HK + hk, 1)
-        if arrived == R - 1:
-            tl.store(cbase + cq * 3, q1)
-            tl.store(cbase + cq * 3 + 1, q2)
-            tl.store(cbase + cq * 3 + 2, q3)
-            tl.store(cbase + ck * 3, k1)
-            tl.store(cbase + ck * 3 + 1, k2)
-            tl.store(cbase + ck * 3 + 2, k3)
-            tl.store(CNT + b * HK + hk, 0)
 
     @triton.jit
     def _qk_norm_rope_kv_kernel(Q, K, V, QW, KW, COS, SIN, QO, KC, VC, WPAGE, WROW, eps,
@@ -898,47 +802,6 @@ if HAVE_TRITON:
         g = tl.load(GATE + b * s_gb + h * s_gh + offs_d).to(tl.float32)
         sg = tl.sigmoid(g).to(dt).to(tl.float32)
         tl.store(OUT + b * s_yb + h * D + offs_d, (o * sg).to(dt))
-
-
-_GDN_COUNTERS: dict = {}
-
-
-def _gdn_counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters (the fused GDN kernel re-arms them). Buffers are never freed
-    or replaced while in use: a captured CUDA graph keeps pointing at the one it saw."""
-    bufs = _GDN_COUNTERS.setdefault(str(device), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
-def gdn_decode_fused(proj, conv_all, conv_w, A_log, dt_bias, state, slots, norm_w, norm_eps,
-                     hk, dk, dv, scale, eps=1e-6, out=None):
-    """See ref_gdn_decode_fused: one launch per GDN layer, grid (B, HV), each program one value
-    head's full [dk, dv] state. CUDA-graph safe; slots int64 contiguous, one lane per slot."""
-    c = conv_all.shape[1]
-    hv = (proj.shape[1] - c) // (dv + 2)
-    pow2 = dk == triton.next_power_of_2(dk) and dv == triton.next_power_of_2(dv) if HAVE_TRITON else False
-    if not use_triton(proj) or conv_w.shape[-1] != 4 or not pow2 or c != 2 * hk * dk + hv * dv:
-        res = ref_gdn_decode_fused(proj, conv_all, conv_w, A_log, dt_bias, state, slots, norm_w, norm_eps,
-                                   hk, dk, dv, scale, eps)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
-    bsz = proj.shape[0]
-    assert proj.stride(1) == 1 and conv_all.is_contiguous() and conv_w.is_contiguous() and state.is_contiguous()
-    assert slots.is_contiguous() and hv % hk == 0 and norm_w.is_contiguous()
-    if out is None:
-        out = torch.empty(bsz, hv * dv, dtype=proj.dtype, device=proj.device)
-    cnt = _gdn_counters(proj.device, bsz * hk)
-    _gdn_decode_fused_kernel[(bsz, hv)](
-        proj, conv_all, conv_w, A_log, dt_bias, state, slots, norm_w, out, cnt, scale, eps, norm_eps,
-        proj.stride(0), conv_all.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv,
-        num_warps=8,
-    )
-    return out
 
 
 def qk_norm_rope_kv(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, wpage, wrow):

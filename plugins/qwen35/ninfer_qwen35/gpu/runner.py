@@ -77,11 +77,6 @@ class GpuQwen35Runner(Qwen35Runner):
     # decode step with the fused attention K/V write + output gate (issue 6); False runs the kernel
     # chains they replace (for A/B measurements; drop the graphs after a change)
     decode_fusion = True
-    # the one-launch GDN decode (K.gdn_decode_fused) is off: on the H200 it was 0.12 (relative) away
-    # from the kernel chain it replaces while exact under the Triton interpreter (cause not found),
-    # and the 9B step was no faster with it (191.0 against 191.2 tok/s at batch 1, 1,240 against
-    # 1,331 at batch 8); tests/gpu/test_gpu_kernels.py keeps its CUDA check as an expected failure
-    gdn_decode_fusion = False
 
     def __init__(self, *args, cuda_graph: bool = True, **kw):
         super().__init__(*args, **kw)
@@ -287,21 +282,11 @@ class GpuQwen35Runner(Qwen35Runner):
         return h
 
     def _gdn_decode(self, i, mod, h, slots):
-        """The in-projection GEMV, then the chain (conv update + SiLU, gated delta step on the state
-        slot in place, gated RMSNorm with z) or, with gdn_decode_fusion, one fused launch reading
-        the [mixed | z | b | a] row; out_proj."""
-        proj = F.linear(h, self.fused[i].w_in)
-        if not (self.decode_fusion and self.gdn_decode_fusion):
-            return self._gdn_decode_chain(i, mod, proj, slots)
-        out = K.gdn_decode_fused(
-            proj, self.cache.conv[i], mod.conv1d.weight[:, 0, :], mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
-            mod.norm.weight, mod.norm.eps, mod.hk, mod.dk, mod.dv, mod.dk**-0.5,
-        )
-        return F.linear(out, mod.out_proj.weight)
-
-    def _gdn_decode_chain(self, i, mod, proj, slots):
-        """The unfused chain (conv_update, gdn_decode_inplace, gated_rmsnorm)."""
+        """The in-projection GEMV, the chain (conv update + SiLU, gated delta step on the state slot
+        in place, gated RMSNorm with z), out_proj. (A one-launch fusion of the chain was measured on
+        the H200 on 2026-12-01: no faster at batch 1, slower at batch 8; it was removed.)"""
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
+        proj = F.linear(h, self.fused[i].w_in)
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
         conv_out = K.conv_update(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slots)
