@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -199,6 +200,8 @@ class PhaseTimer:
     def __init__(self, runner, cache):
         self.events: list[tuple[str, float, str]] = []
         self._sync = _device_sync(runner)
+        dev = getattr(runner, "device", None)
+        self._track = getattr(dev, "type", "cpu") == "cuda"  # name what a forward compiled
         self._depth = 0
         for name in self.RUNNER:
             if hasattr(runner, name):
@@ -210,7 +213,10 @@ class PhaseTimer:
     def _wrap(self, name, fn):
         import time
 
+        forward = name in ("prefill", "prefill_with_snapshot")
+
         def timed(*args, **kw):
+            before = self._kernels() if forward and self._track else None
             self._sync()
             self._depth += 1
             t0 = time.perf_counter()
@@ -218,14 +224,28 @@ class PhaseTimer:
                 return fn(*args, **kw)
             finally:
                 self._sync()
+                ms = (time.perf_counter() - t0) * 1e3
                 self._depth -= 1
                 detail = ""
-                if name in ("prefill", "prefill_with_snapshot") and len(args) >= 2:
+                if forward and len(args) >= 2:
                     detail = f"start={args[0].num_cached} T={len(args[1])}"
                     if len(args) >= 3:
                         detail += f" capture at +{args[2]}"
-                self.events.append((name, (time.perf_counter() - t0) * 1e3, detail))
+                if before is not None:
+                    new = sorted({os.path.basename(f).rsplit(".", 1)[0] for f in self._kernels() - before})
+                    if new:
+                        detail += f" [compiled in the call: {', '.join(new)}]"
+                self.events.append((name, ms, detail))
         return timed
+
+    @staticmethod
+    def _kernels() -> set[str]:
+        """The compiled kernel binaries in Triton's on-disk cache (a first-use compile adds one)."""
+        root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        found = set()
+        for d, _, files in os.walk(root):
+            found.update(os.path.join(d, f) for f in files if f.endswith((".cubin", ".hsaco")))
+        return found
 
     def take(self) -> list[tuple[str, float, str]]:
         ev, self.events = self.events, []
@@ -337,6 +357,8 @@ def run_replay(a: argparse.Namespace) -> int:
                 and cc["host_state_slots_used"] == 0 and cc["host_kv_bytes_used"] == 0)
 
     timer = PhaseTimer(eng.runner, eng.cache) if getattr(a, "profile_replay", False) else None
+    if timer is not None and getattr(eng.runner, "info", None) is not None and "warmup_ms" in eng.runner.info.extra:
+        print(f"runner warm-up at allocation (ms): {eng.runner.info.extra['warmup_ms']}", flush=True)
     profiles = []
     try:
         # Warm up kernels and allocator once so neither side pays first-use costs.

@@ -140,3 +140,41 @@ def test_covering_tokenizer_gives_every_id_distinct_text(vocab):
     assert max(ids) < vocab and tok.decode(ids, skip_special=False) == prompt
     # the byte tokenizer of the random shapes leaves almost all of a 248k vocabulary without text
     assert text_coverage(Tokenizer.from_section(minimal_tokenizer_section()), vocab) < 0.3
+
+
+def test_replay_profile_names_the_kernels_a_forward_compiled(tmp_path, monkeypatch):
+    """--profile-replay on CUDA lists the Triton binaries that appeared in the on-disk cache during a
+    forward (a first-use compile inside a request's time to first token)."""
+    from types import SimpleNamespace
+
+    from ninfer_core.bench import replay
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(replay, "_device_sync", lambda runner: lambda: None)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "_seen_before.cubin").write_bytes(b"x")
+
+    class FakeRunner:
+        device = SimpleNamespace(type="cuda")
+
+        def prefill(self, seq, tokens):
+            d = tmp_path / f"h{len(tokens)}"
+            d.mkdir()
+            (d / "_paged_prefill_kernel.cubin").write_bytes(b"x")
+            (d / "_paged_prefill_kernel.json").write_text("{}")
+
+        def decode(self, seqs, tokens):
+            return None
+
+    runner = FakeRunner()
+    timer = replay.PhaseTimer(runner, None)
+    runner.prefill(SimpleNamespace(num_cached=5), [1, 2, 3])
+    runner.prefill(SimpleNamespace(num_cached=8), [1, 2])
+    (name, _, detail), (_, _, detail2) = timer.take()
+    assert name == "prefill" and detail == "start=5 T=3 [compiled in the call: _paged_prefill_kernel]"
+    assert "_seen_before" not in detail and detail2.endswith("[compiled in the call: _paged_prefill_kernel]")
+    monkeypatch.setattr(FakeRunner, "device", SimpleNamespace(type="cpu"))
+    cpu = FakeRunner()
+    timer = replay.PhaseTimer(cpu, None)
+    cpu.prefill(SimpleNamespace(num_cached=0), [1] * 9)
+    assert timer.take()[0][2] == "start=0 T=9"  # no device, no tracking

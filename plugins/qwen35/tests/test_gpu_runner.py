@@ -152,3 +152,23 @@ def test_prefill_with_snapshot_in_one_forward_equals_the_split_forwards(loaded, 
         assert rel_err(c[3], c[2]) <= TOL
     with pytest.raises(ValueError):
         fast.prefill_with_snapshot(SeqView(slot=1, pages=[4, 7], num_cached=0), toks[:10], 10, 3)
+
+
+def test_resume_warmup_at_allocation_leaves_no_trace(loaded):
+    """The allocation-time run of a resumed turn's forwards (pages 0.., the scratch slot, a capture
+    into slot 0) leaves both slots zeroed, and a request then served on those pages and slot 0
+    gets the reference runner's logits."""
+    art, _ = loaded["dense"]
+    ref, fast = both(art)
+    fast._warm_resume_prefill(force=True)
+    assert set(fast.info.extra["warmup_ms"]) == {"chunk_aligned", "chunk_unaligned", "capture_in_chunk", "tail"}
+    for t in (*fast.cache.conv.values(), *fast.cache.ssm.values()):
+        assert not t[0].any() and not t[fast.scratch_slot].any()
+    toks = prompt(131, seed=8)
+    rows = {}
+    for name, r in (("ref", ref), ("fast", fast)):
+        s = SeqView(slot=0, pages=[0, 1, 2], num_cached=0)
+        first = r.prefill(s, toks[:130], all_logits=True)
+        s.num_cached = 130
+        rows[name] = torch.cat([first, r.decode([s], [toks[130]])])
+    assert rel_err(rows["fast"], rows["ref"]) <= TOL
