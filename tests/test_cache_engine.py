@@ -193,6 +193,46 @@ def test_shared_stable_prefix_published_on_second_sighting():
     audit(eng)
 
 
+def test_max_shared_prefixes_keeps_the_most_recently_used():
+    """--max-shared-prefixes 1: a second published prefix replaces the first (least recently used);
+    the replaced one is served from root again, the kept one from the shared checkpoint."""
+    rng = random.Random(15)
+    eng = engine(max_shared_prefixes=1)
+    systems = [toks(rng, 90), toks(rng, 90)]
+    hints = CheckpointHints(stable_prefix=90)
+    for system in systems:
+        for _ in range(2):  # the second sighting publishes
+            run(eng, system + toks(rng, 30), hints=hints)
+    cc = eng.snapshot()["context_cache"]
+    assert cc["shared_prefixes"] == 1
+    assert eng.cache.counters["pressure"]["shared_owner_evicted"] == 1
+    kept = [e.ckpt.tokens for e in eng.cache.shared]
+    assert kept == [tuple(systems[1])]
+    p_old = systems[0] + toks(rng, 30)
+    p_new = systems[1] + toks(rng, 30)
+    sel = selections(eng)
+    o_new = run(eng, p_new, hints=CheckpointHints())
+    assert source_of(eng, sel) == "shared_stable_prefix" and o_new.finish.usage.cached_tokens == 90
+    sel = selections(eng)
+    o_old = run(eng, p_old, hints=CheckpointHints())
+    # no longer shared: at most a retained conversation of that system prompt serves it privately
+    assert source_of(eng, sel) != "shared_stable_prefix"
+    assert o_new.token_ids == root_output(p_new) and o_old.token_ids == root_output(p_old)
+    audit(eng)
+
+
+@pytest.mark.parametrize("limit,expected", [(0, []), (1, [240]), (2, [100, 240])])
+def test_max_long_anchors_per_continuation_caps_auto_anchors(limit, expected):
+    """The same boundaries as the spacing test below: the cap keeps the anchors nearest the end."""
+    rng = random.Random(6)
+    eng = engine(auto_long_anchors=True, long_anchor_spacing=32, max_long_anchors_per_continuation=limit)
+    p1 = toks(rng, 300)
+    run(eng, p1, hints=CheckpointHints(boundaries=[40, 100, 180, 240, 280], turn_closure=297))
+    cont = next(c for c in eng.cache.continuations if c is not None)
+    assert sorted(e.ckpt.frontier for e in cont.entries if e.kind == "long_anchor") == expected
+    audit(eng)
+
+
 def test_auto_long_anchors_at_message_boundaries_with_spacing():
     rng = random.Random(6)
     eng = engine(auto_long_anchors=True, long_anchor_spacing=32)
