@@ -154,11 +154,12 @@ def test_prefill_with_snapshot_in_one_forward_equals_the_split_forwards(loaded, 
         fast.prefill_with_snapshot(SeqView(slot=1, pages=[4, 7], num_cached=0), toks[:10], 10, 3)
 
 
-def test_resume_warmup_at_allocation_leaves_no_trace(loaded):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_resume_warmup_at_allocation_leaves_no_trace(loaded, kind):
     """The allocation-time run of a resumed turn's forwards (pages 0.., the scratch slot, a capture
     into slot 0) leaves both slots zeroed, and a request then served on those pages and slot 0
     gets the reference runner's logits."""
-    art, _ = loaded["dense"]
+    art, _ = loaded[kind]
     ref, fast = both(art)
     fast._warm_resume_prefill(force=True)
     assert set(fast.info.extra["warmup_ms"]) == {"chunk_aligned", "chunk_unaligned", "capture_in_chunk", "tail"}
