@@ -195,7 +195,8 @@ def test_shared_stable_prefix_published_on_second_sighting():
 
 def test_max_shared_prefixes_keeps_the_most_recently_used():
     """--max-shared-prefixes 1: a second published prefix replaces the first (least recently used);
-    the replaced one is served from root again, the kept one from the shared checkpoint."""
+    the kept one serves from the shared checkpoint, the replaced one no longer does (its own
+    retained conversation may still serve it privately)."""
     rng = random.Random(15)
     eng = engine(max_shared_prefixes=1)
     systems = [toks(rng, 90), toks(rng, 90)]

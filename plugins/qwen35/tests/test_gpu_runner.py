@@ -161,8 +161,9 @@ def test_resume_warmup_at_allocation_leaves_no_trace(loaded, kind):
     gets the reference runner's logits."""
     art, _ = loaded[kind]
     ref, fast = both(art)
-    fast._warm_resume_prefill(force=True)
-    assert set(fast.info.extra["warmup_ms"]) == {"chunk_aligned", "chunk_unaligned", "capture_in_chunk", "tail"}
+    fast._warm_prefill(force=True)
+    assert set(fast.info.extra["warmup_ms"]) == {"short", "short_after", "chunk_aligned", "chunk_unaligned",
+                                                 "capture_in_chunk", "tail"}
     for t in (*fast.cache.conv.values(), *fast.cache.ssm.values()):
         assert not t[0].any() and not t[fast.scratch_slot].any()
     toks = prompt(131, seed=8)

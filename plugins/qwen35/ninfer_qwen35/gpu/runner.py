@@ -131,59 +131,43 @@ class GpuQwen35Runner(Qwen35Runner):
             self._meta_host = self._meta_host.pin_memory()
         self._meta = torch.zeros_like(self._meta_host, device=self.device)
         self._warm_gdn_graphs()
-        self._warm_short_prefill()
-        self._warm_resume_prefill()
+        self._warm_prefill()
 
     @torch.inference_mode()
-    def _warm_short_prefill(self) -> None:
-        """Compile the kernels of short prefill chunks now (recurrent GDN, conv, paged attention
-        over one page): with captures inside chunks, the first 17-token tail of a resumed turn
-        otherwise paid ~1.2 s of Triton compilation in its time to first token (27B, H200)."""
-        if self.device.type != "cuda":
-            return
-        t0 = time.perf_counter()
-        ids = torch.zeros(17, dtype=torch.int64, device=self.device)
-        for start, n in ((0, 17), (17, 9)):
-            seg = Segment(slot=self.scratch_slot, pages=[self.scratch_page], start=start, length=n, offset=0)
-            self._prefill_body(seg, ids[:n])
-        for t in (*self.cache.conv.values(), *self.cache.ssm.values()):
-            t[self.scratch_slot].zero_()
-        torch.cuda.synchronize(self.device)
-        log.info("compiled the short-prefill kernels in %.1f s", time.perf_counter() - t0)
-
-    @torch.inference_mode()
-    def _warm_resume_prefill(self, force: bool = False) -> None:
-        """Run once now the forwards of a turn resumed from a checkpoint: a ~300-token chunk over a
-        multi-page prefix at a page-aligned and an unaligned start, the same chunk with a capture
-        inside it (the in-chunk snapshot), and a 17-token tail. On the H200 the first such capture
-        in a process took 0.88 s against 0.06 s later (27B, 30k-token replay), all of it inside
-        the runner call; done here, no request's time to first token pays it. Pages 0.. and slot
-        0 are free at allocation: the pages are written before any request reads them and both
-        slots are reset below. What each step took is kept in info.extra["warmup_ms"]. (CUDA only;
-        `force` runs it elsewhere, for tests.)"""
+    def _warm_prefill(self, force: bool = False) -> None:
+        """Run once now the prefill forwards whose first use would otherwise land in a request's
+        time to first token (Triton compiles; 27B on the H200): short chunks over one page (the
+        17-token tail after a turn closure: ~1.2 s once), and, when the pool has the pages, a
+        resumed turn's ~300-token chunk over a multi-page prefix at a page-aligned and an unaligned
+        start, the same chunk with a capture inside it, and a 17-token tail (the first in-chunk
+        capture of a 30k-token replay: 0.88 s against 0.06 s later). They run on the scratch
+        page/slot, pages 0.. and slot 0, all free at allocation: the pages are written before any
+        request reads them and the slots are reset below. What each step took is kept in
+        info.extra["warmup_ms"]. (CUDA only; `force` runs it elsewhere, for tests.)"""
         if self.device.type != "cuda" and not force:
             return
-        ps = self.cache.page_size
+        ps, scratch = self.cache.page_size, [self.scratch_page]
+        steps = [("short", scratch, 0, 17, None), ("short_after", scratch, 17, 9, None)]
         n = min(self.num_pages, 48)
-        if n < 16 or self.num_slots < 1:
-            return
+        if n >= 16 and self.num_slots >= 1:
+            pages, base = list(range(n)), (n - 6) * ps
+            steps += [("chunk_aligned", pages, base, 300, None), ("chunk_unaligned", pages, base + 13, 300, None),
+                      ("capture_in_chunk", pages, base + 13, 300, (283, 0)), ("tail", pages, base + 29, 17, None)]
         ids = torch.zeros(300, dtype=torch.int64, device=self.device)
-        pages = list(range(n))
-        base = (n - 6) * ps
         took = {}
-        for name, start, t, snap in (("chunk_aligned", base, 300, None), ("chunk_unaligned", base + 13, 300, None),
-                                     ("capture_in_chunk", base + 13, 300, (283, 0)), ("tail", base + 29, 17, None)):
+        for name, seg_pages, start, t, snap in steps:
             t0 = time.perf_counter()
-            seg = Segment(slot=self.scratch_slot, pages=pages, start=start, length=t, offset=0)
+            seg = Segment(slot=self.scratch_slot, pages=seg_pages, start=start, length=t, offset=0)
             self._prefill_body(seg, ids[:t], snap=snap)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             took[name] = round((time.perf_counter() - t0) * 1e3, 1)
         for st in (*self.cache.conv.values(), *self.cache.ssm.values()):
             st[self.scratch_slot].zero_()
-            st[0].zero_()
+            if self.num_slots >= 1:
+                st[0].zero_()
         self.info.extra["warmup_ms"] = took
-        log.info("ran the resumed-turn prefill paths once: %s", took)
+        log.info("ran the first-use prefill paths once (ms): %s", took)
 
     def _warm_gdn_graphs(self) -> None:
         """Capture the GDN prefill graph of every bucket now (on the scratch slot), so that no
