@@ -25,7 +25,8 @@ def _cmd_plugins(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(host=None) -> argparse.ArgumentParser:
+    """The command-line parser; `host` (a loaded PluginHost) adds the plugins' serve options."""
     from ninfer_core.config import add_serve_arguments
 
     p = argparse.ArgumentParser(prog="ninfer", description="NInfer LLM inference server")
@@ -34,10 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a .ninfer artifact over HTTP")
     add_serve_arguments(s)
+    if host is not None:
+        host.add_serve_options(s)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint directory to .ninfer")
-    c.add_argument("hf_dir")
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint directory (or re-write a .ninfer) to .ninfer")
+    c.add_argument("hf_dir", help="a Hugging Face checkpoint directory, or a .ninfer artifact to re-write")
     c.add_argument("out")
+    c.add_argument("--mtp-proposal-head", type=int, default=None, metavar="N",
+                   help="also store an optimised proposal head: the output-head rows of the tokenizer's added tokens "
+                        "and the N most frequent tokens of --mtp-proposal-corpus (--spec mtp drafts through it)")
+    c.add_argument("--mtp-proposal-corpus", default=None, metavar="FILE",
+                   help="UTF-8 text whose token counts choose the proposal head's rows")
     c.add_argument("--name", default=None, help="model name stored in the manifest (default: the directory name)")
     c.add_argument("--no-progress", action="store_true")
 
@@ -59,12 +67,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _serve_host(argv: list[str]):
+    """Load the plugins `ninfer serve` will use before its command line is parsed, so their options
+    parse (and show in --help). Returns (host, error message or None)."""
+    from ninfer_core.plugins import KNOWN_OPTION_PACKAGES, PluginError, PluginHost, PluginSelection
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    host = PluginHost(PluginSelection.from_sources(known.plugin))
+    try:
+        added = {f for spec in host.serve_options() for f in spec.flags}
+    except PluginError as e:
+        return None, str(e)
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        pkg = KNOWN_OPTION_PACKAGES.get(flag)
+        if pkg and flag not in added:
+            return None, f"{flag} is an option of the package {pkg}, which is not installed (pip install {pkg})"
+    return host, None
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    host = None
+    if argv and argv[0] == "serve":
+        host, err = _serve_host(argv[1:])
+        if err is not None:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    a = build_parser(host).parse_args(argv)
     if a.command == "serve":
         from ninfer_core.server.serve import run_serve
 
-        return run_serve(a)
+        return run_serve(a, host)
     if a.command == "convert":
         from ninfer_core.artifact.convert import run_convert
 

@@ -49,12 +49,30 @@ class EngineOptions:
     disk_kv_gib: float = 64
     disk_kv_restore: bool = False
     disk_kv_model: str = ""  # the artifact's identity, so one model never restores another's files
+    # Speculative decoding (spec "--spec", n-gram copy drafting): the backend itself is passed to the
+    # Engine; None n-gram draft tokens take the spec default (15 with a backend, else 0).
+    ngram_draft_tokens: int | None = None
+    ngram_min_match: int = 12
+    lookup_ngram: int = 0
+    ngram_archive_mib: int = 0
+    ngram_session_mib: int = 128
 
     def resolved_kv_capacity(self) -> int:
         return self.kv_capacity if self.kv_capacity is not None else self.max_context
 
     def resolved_decode_rounds(self) -> int:
         return self.decode_rounds_per_prefill or max(1, self.prefill_chunk // 64)
+
+    def ngram_options(self, backend_drafts: int = 0):
+        """The n-gram drafting settings for an engine whose backend drafts `backend_drafts` per round."""
+        from ninfer_core.engine.ngram import NgramOptions
+
+        n = self.ngram_draft_tokens
+        if n is None:
+            n = 15 if backend_drafts else 0
+        return NgramOptions(draft_tokens=n, min_match=self.ngram_min_match, lookup=self.lookup_ngram,
+                            lookup_drafts=backend_drafts or max(n, 8),
+                            archive_bytes=self.ngram_archive_mib << 20, session_bytes=self.ngram_session_mib << 20)
 
 
 EFFORT_VALUES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -148,6 +166,8 @@ class ServeOptions:
     request_log_max_mib: int = 0  # rotate at this size (0: one unbounded file)
     request_log_keep: int = 4  # rotated copies kept
     plugins: list[str] = field(default_factory=list)
+    spec: str | None = None  # --spec NAME: the speculative backend
+    plugin_options: argparse.Namespace = field(default_factory=argparse.Namespace)  # what plugins added
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
@@ -220,6 +240,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     add_cache_arguments(p)
     add_thinking_arguments(p)
+    add_spec_arguments(p)
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """--spec (the backend is a plugin that adds its own options) and core's n-gram copy drafting."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", default=None, metavar="NAME",
+                   help="speculative backend (mtp from ninfer-spec-mtp; dflash, dflash2); default off")
+    g.add_argument("--ngram-draft-tokens", type=_positive(0, 63), default=None, metavar="N",
+                   help="copy drafting: up to N tokens (1..63; above 15 only at --max-concurrency 1) copied from "
+                        "earlier prompt or output text the last --ngram-min-match tokens match; 0 disables it "
+                        "(default 15 with --spec, else 0)")
+    g.add_argument("--ngram-min-match", type=_positive(4, 64), default=12, metavar="N",
+                   help="shortest match a copy is drawn from, 4..64 (default 12)")
+    g.add_argument("--lookup-ngram", type=_positive(0, 64), default=0, metavar="N",
+                   help="context-lookup drafting: the last N tokens are matched against the sequence so far and "
+                        "what followed is proposed (default 0: off)")
+    g.add_argument("--ngram-archive-mib", type=_positive(0), default=0, metavar="N",
+                   help="RAM archive keeping finished requests' copy sources for later requests naming the same "
+                        "X-NInfer-Draft-Session (default 0: off)")
+    g.add_argument("--ngram-session-mib", type=_positive(1), default=128, metavar="N",
+                   help="per-session share of that archive, 1 MiB up to the archive size (default 128)")
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -236,6 +278,17 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
     from ninfer_core.engine.cache_options import apply_cache_arguments
 
     apply_cache_arguments(a, eng)
+    ngram = getattr(a, "ngram_draft_tokens", None)
+    if ngram is not None and ngram > 15 and a.max_concurrency > 1:
+        raise ValueError(f"--ngram-draft-tokens {ngram} needs --max-concurrency 1 (above 15 drafts only run alone)")
+    archive = getattr(a, "ngram_archive_mib", 0)
+    eng.ngram_draft_tokens = ngram
+    eng.ngram_min_match = getattr(a, "ngram_min_match", 12)
+    eng.lookup_ngram = getattr(a, "lookup_ngram", 0)
+    eng.ngram_archive_mib = archive
+    # a session's share is at most the whole archive (the 128 MiB default over a smaller archive)
+    eng.ngram_session_mib = min(getattr(a, "ngram_session_mib", 128), archive) if archive else getattr(
+        a, "ngram_session_mib", 128)
     log_path = getattr(a, "request_log_jsonl", None)
     if getattr(a, "request_log_max_mib", 0) and not log_path:
         raise ValueError("--request-log-max-mib requires --request-log-jsonl")
@@ -250,5 +303,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         lenient_assistant_history=getattr(a, "lenient_assistant_history", False),
         request_log_jsonl=log_path, request_log_max_mib=getattr(a, "request_log_max_mib", 0),
         request_log_keep=getattr(a, "request_log_keep", 4),
+        spec=getattr(a, "spec", None),
         engine=eng, thinking=thinking_options_from_args(a, a.no_thinking),
     )
+

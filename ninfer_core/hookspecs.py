@@ -28,8 +28,22 @@ def ninfer_register_model_families(register):
 def ninfer_register_spec_backends(register):
     """Register speculative backends: `register(name, target)`; `--spec NAME` picks one.
 
-    Called once at startup when `--spec` is given. A backend reaches the model family only
-    through the model-family contract (hidden states, verify forward, commit/rollback).
+    `target` is "module:Class" of a `ninfer_core.engine.spec.SpecBackend`. Called once at startup
+    when `--spec` is given. A backend reaches the model family only through the model-family
+    contract (`ninfer_core.engine.model_api`: draft heads, hidden states, verify, commit).
+    """
+
+
+@hookspec
+def ninfer_add_serve_options(add):
+    """Add `ninfer serve` options: `add(*flags, **kwargs)` takes argparse's `add_argument` arguments.
+
+    Called once before the command line is parsed (so `ninfer serve --help` lists them), under a
+    help group named after the plugin. The parsed values reach the plugin at load time: a
+    `ModelFamily.load(..., options=)` and a `SpecBackend.load(..., options=)` receive a namespace
+    of every option plugins added. One flag added by two plugins with identical settings is one
+    shared option (e.g. `--draft-tokens`, used by every speculative backend); with other settings
+    it is a registration error naming both packages.
     """
 
 

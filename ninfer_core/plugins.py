@@ -63,6 +63,15 @@ KNOWN_FAMILY_PACKAGES = {
 }
 
 
+# Speculative backends and serve options we know a package for, so a missing one names what to install.
+KNOWN_SPEC_PACKAGES = {"mtp": "ninfer-spec-mtp", "dflash": "ninfer-spec-dflash", "dflash2": "ninfer-spec-dflash"}
+KNOWN_OPTION_PACKAGES = {
+    "--draft-tokens": "ninfer-spec-mtp", "--lm-head-draft": "ninfer-spec-mtp",
+    "--full-draft-head": "ninfer-spec-mtp", "--adaptive-mtp": "ninfer-spec-mtp",
+    "--mtp-attention-window": "ninfer-spec-mtp",
+}
+
+
 class PluginError(Exception):
     """Base of plugin problems; str() is a message for the user."""
 
@@ -113,6 +122,21 @@ class Registration:
         for part in attr.split(".") if attr else []:
             obj = getattr(obj, part)
         return obj
+
+
+@dataclass
+class OptionSpec:
+    """One serve option a plugin adds (`ninfer_add_serve_options`)."""
+
+    flags: tuple[str, ...]
+    kwargs: dict
+    plugin: str
+    package: str
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or next((f for f in self.flags if f.startswith("--")), self.flags[0]
+                                               ).lstrip("-").replace("-", "_")
 
 
 @dataclass
@@ -169,6 +193,7 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[LoadedPlugin] = []
         self._registries: dict[str, dict[str, Registration]] | None = None
+        self._options: list[OptionSpec] | None = None
         self._loaded = False
 
     # discovery ------------------------------------------------------------------------------
@@ -276,6 +301,53 @@ class PluginHost:
             raise PluginError(f"unknown {kind.replace('_', ' ')} {name!r}; available: {alts}")
         return reg
 
+    def resolve_spec_backend(self, name: str) -> Registration:
+        """The backend `--spec NAME` picks; an uninstalled known one names its package."""
+        reg = self.registry("spec_backend").get(name)
+        if reg is None:
+            pkg = KNOWN_SPEC_PACKAGES.get(name)
+            alts = ", ".join(sorted(self.registry("spec_backend"))) or "none installed"
+            hint = f"; install the package {pkg} (pip install {pkg})" if pkg else ""
+            raise PluginError(f"unknown speculative backend {name!r} (--spec){hint}; available: {alts}")
+        return reg
+
+    def serve_options(self) -> list[OptionSpec]:
+        """Every option the loaded plugins add to `ninfer serve`, each flag once."""
+        self.load()
+        if self._options is not None:
+            return self._options
+        by_flag: dict[str, OptionSpec] = {}
+        out: list[OptionSpec] = []
+        for impl in self.pm.hook.ninfer_add_serve_options.get_hookimpls():
+            plugin = next(p for p in self.plugins if p.name == impl.plugin_name)
+
+            def add(*flags, _plugin=plugin, **kwargs):
+                spec = OptionSpec(tuple(flags), dict(kwargs), _plugin.name, _plugin.package)
+                seen = [by_flag[f] for f in flags if f in by_flag]
+                if seen:
+                    other = seen[0]
+                    if other.flags != spec.flags or _signature(other.kwargs) != _signature(spec.kwargs):
+                        raise RegistrationError(
+                            f"serve option {flags[0]} is added twice with different settings: by plugin "
+                            f"{other.plugin!r} ({other.package}) and by plugin {_plugin.name!r} ({_plugin.package})")
+                    return  # the same option shared by two plugins
+                for f in flags:
+                    by_flag[f] = spec
+                out.append(spec)
+
+            impl.function(add=add)
+        self._options = out
+        return out
+
+    def add_serve_options(self, parser) -> None:
+        """Add the plugins' options to an argparse parser, one help group per plugin."""
+        groups: dict[str, Any] = {}
+        for spec in self.serve_options():
+            g = groups.get(spec.plugin)
+            if g is None:
+                g = groups[spec.plugin] = parser.add_argument_group(f"{spec.plugin} ({spec.package})")
+            g.add_argument(*spec.flags, **spec.kwargs)
+
     def family_for_architecture(self, architecture: str) -> Registration:
         fams = self.registry("model_family")
         served = {}
@@ -304,6 +376,13 @@ class PluginHost:
             rows.append({"name": p.name, "package": p.package, "version": p.version,
                          "builtin": p.builtin, "registers": what})
         return rows
+
+
+def _signature(kwargs: dict) -> dict:
+    """What must agree for two plugins to share one option: argparse settings but the help text, a
+    type converter compared by name (each package defines its own)."""
+    return {k: (getattr(v, "__name__", repr(v)) if callable(v) else v) for k, v in kwargs.items()
+            if k not in ("help", "metavar")}
 
 
 def _core_version() -> str:

@@ -19,14 +19,21 @@ import torch
 
 from ninfer_core.engine.api import EngineEvent
 from ninfer_core.engine.model_api import (
+    LOGITS_ALL,
+    LOGITS_LAST,
     PAGE_SIZE,
+    VERIFY,
     CacheSpec,
+    ForwardBatch,
     KVGroup,
     ModelInfo,
     ModelRunner,
+    SegmentOutput,
     SeqView,
     StateImage,
+    check_batch,
 )
+from ninfer_core.engine.spec import DraftLane, Proposal, SpecBackend
 
 # -- tokenizer ----------------------------------------------------------------------------------
 
@@ -136,6 +143,7 @@ class ToyRunner(ModelRunner):
         self.kv: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
         self.page_size = PAGE_SIZE
+        self._uncommitted: dict[int, list] = {}
 
     # contract ---------------------------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
@@ -147,10 +155,16 @@ class ToyRunner(ModelRunner):
         self.kv = torch.full((num_pages, page_size, 1, 2), -1, dtype=torch.int64)  # [token, position]
         self.state = torch.full((num_slots, 2), -7, dtype=torch.int64)  # [count, hash]; -7: never reset
 
+    def free_cache(self) -> None:
+        self.kv = self.state = None
+        self._uncommitted = {}
+
     def reset_slot(self, slot: int) -> None:
+        self._uncommitted.pop(slot, None)
         self.state[slot] = 0
 
     def copy_slot(self, src: int, dst: int) -> None:
+        self._uncommitted.pop(dst, None)
         self.state[dst] = self.state[src]
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -163,6 +177,7 @@ class ToyRunner(ModelRunner):
         t = image.tensors.get("state")
         if t is None or tuple(t.shape) != (2,):
             raise ValueError("StateImage does not fit the toy runner")
+        self._uncommitted.pop(slot, None)
         self.state[slot] = t
 
     def read_pages(self, pages):
@@ -174,35 +189,69 @@ class ToyRunner(ModelRunner):
             raise ValueError("KV data does not fit the toy runner's pages")
         self.kv[torch.tensor(list(pages), dtype=torch.int64)] = t
 
-    def prefill(self, seq: SeqView, tokens, all_logits: bool = False):
-        tokens = [int(t) for t in tokens]
-        self._enter("prefill", [seq], tokens)
-        if not tokens:
-            raise ValueError("prefill of no tokens")
-        rows = []
-        for i, t in enumerate(tokens):
-            self._step(seq, seq.num_cached + i, t)
-            if all_logits or i == len(tokens) - 1:
-                rows.append(self._logits(seq, seq.num_cached + i + 1))
-        return torch.stack(rows) if all_logits else rows[0]
+    def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
+        check_batch(batch, self.info.vocab_size, self.state.shape[0], self.kv.shape[0], ("full",), self.page_size)
+        segs = batch.segments
+        views = [SeqView(s.slot, list(s.tables["full"]), s.start) for s in segs]
+        self._enter(segs[0].kind, views, [int(t) for s in segs for t in s.tokens])
+        pending = [s.slot for s in segs if s.slot in self._uncommitted]
+        if pending:
+            raise RuntimeError(f"state slots {pending} have an uncommitted verify")
+        if len(segs) > 1:
+            # Rows may share the full pages of a checkpoint's prefix, never a page they write.
+            written = [p for s, v in zip(segs, views) for p in
+                       {v.pages[q // self.page_size] for q in range(s.start, s.end)}]
+            if len(set(written)) != len(written):
+                raise RuntimeError("a forward batch shares a KV page")
+        outs = []
+        for seg, view in zip(segs, views):
+            rows, hist = [], []
+            for i, t in enumerate(seg.tokens):
+                self._step(view, seg.start + i, int(t))
+                if seg.kind == VERIFY:
+                    hist.append(self.state[seg.slot].clone())
+                if seg.snapshot is not None and i + 1 == seg.snapshot[0]:
+                    self.state[seg.snapshot[1]] = self.state[seg.slot]
+                if seg.logits == LOGITS_ALL or (seg.logits == LOGITS_LAST and i == len(seg.tokens) - 1):
+                    rows.append(self._logits(view, seg.start + i + 1))
+            if seg.kind == VERIFY:
+                self._uncommitted[seg.slot] = hist
+            logits = None
+            if seg.logits == LOGITS_ALL:
+                logits = torch.stack(rows)
+            elif seg.logits == LOGITS_LAST:
+                logits = rows[0]
+            outs.append(SegmentOutput(logits))
+        return outs
 
-    def decode(self, seqs, tokens):
-        seqs, tokens = list(seqs), [int(t) for t in tokens]
-        self._enter("decode", seqs, tokens)
-        if not seqs or len(seqs) != len(tokens):
-            raise ValueError(f"decode of {len(seqs)} rows with {len(tokens)} tokens")
-        if len({s.slot for s in seqs}) != len(seqs):
-            raise RuntimeError("decode batch shares a state slot")
-        # Rows may share the full pages of a checkpoint's prefix, never the page they write.
-        written = [s.pages[s.num_cached // self.page_size] for s in seqs
-                   if s.num_cached // self.page_size < len(s.pages)]
-        if len(set(written)) != len(written):
-            raise RuntimeError("decode batch shares a KV page")
-        rows = []
-        for s, t in zip(seqs, tokens):
-            self._step(s, s.num_cached, t)
-            rows.append(self._logits(s, s.num_cached + 1))
-        return torch.stack(rows)
+    def commit(self, kept) -> None:
+        for slot, n in kept:
+            hist = self._uncommitted.pop(slot, None)
+            if hist is None:
+                raise RuntimeError(f"state slot {slot} has no verify to commit")
+            if not 1 <= n <= len(hist):
+                raise ValueError(f"commit of {n} tokens of a verify of {len(hist)}")
+            self.state[slot] = hist[n - 1]
+
+    def greedy_continuation(self, tokens: list[int], n: int) -> list[int]:
+        """The toy model's own greedy continuation of `tokens` (an oracle drafter's source)."""
+        out, seq = [], list(tokens)
+        for _ in range(n):
+            t = int(self.logits_of(seq).argmax())
+            out.append(t)
+            seq.append(t)
+        return out
+
+    def logits_of(self, tokens: list[int]) -> torch.Tensor:
+        """The logits after `tokens`, computed without the cache (the same function forwards use)."""
+        if self.policy is not None:
+            forced = self.policy(list(tokens))
+            if forced is not None:
+                logits = torch.zeros(self.info.vocab_size)
+                logits[forced] = 50.0
+                return logits
+        gen = torch.Generator().manual_seed(self._hash(torch.tensor(tokens, dtype=torch.int64)) * 7919 + self.salt)
+        return torch.randn(self.info.vocab_size, generator=gen) * self.logit_scale
 
     # test hooks -------------------------------------------------------------------------------
     def pause(self) -> None:
@@ -254,15 +303,60 @@ class ToyRunner(ModelRunner):
         return int(((tokens + 1) * weights % _HASH_MOD).sum() % _HASH_MOD)
 
     def _logits(self, seq: SeqView, n: int) -> torch.Tensor:
-        tokens = self._prefix(seq, n)
-        if self.policy is not None:
-            forced = self.policy(tokens.tolist())
-            if forced is not None:
-                logits = torch.zeros(self.info.vocab_size)
-                logits[forced] = 50.0
-                return logits
-        gen = torch.Generator().manual_seed(self._hash(tokens) * 7919 + self.salt)
-        return torch.randn(self.info.vocab_size, generator=gen) * self.logit_scale
+        return self.logits_of(self._prefix(seq, n).tolist())
+
+
+def runner_continuation(runner: ModelRunner, num_pages: int = 64) -> Callable[[list[int], int], list[int]]:
+    """(history, n) -> `runner`'s own greedy continuation of `history`, computed from scratch on that
+    runner (give it a runner of its own: its cache is reallocated here). An oracle drafter's source."""
+    runner.allocate_cache(num_pages, 1)
+
+    def continuation(history: list[int], n: int) -> list[int]:
+        runner.reset_slot(0)
+        view = SeqView(0, list(range(num_pages)), 0)
+        logits = runner.prefill(view, list(history))
+        view.num_cached = len(history)
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            if len(out) < n:
+                logits = runner.decode([view], [out[-1]])[0]
+                view.num_cached += 1
+        return out
+
+    return continuation
+
+
+class OracleDrafter(SpecBackend):
+    """A speculative backend for tests and benches: drafts the target's own greedy continuation
+    (`target(history) -> list of tokens`, e.g. `ToyRunner.greedy_continuation`), each position
+    replaced by another token with probability `corrupt` (a known acceptance rate)."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: Callable[[list[int], int], list[int]], draft_tokens: int = 3,
+                 corrupt: float = 0.0, vocab_size: int = 262, seed: int = 0):
+        import random
+
+        self.continuation = continuation
+        self.draft_tokens = draft_tokens
+        self.corrupt = corrupt
+        self.vocab_size = vocab_size
+        self._rng = random.Random(seed)
+        self.rounds: list = []
+
+    def propose(self, lanes: Sequence[DraftLane]) -> list[Proposal]:
+        out = []
+        for lane in lanes:
+            k = min(self.draft_tokens, lane.max_drafts)
+            got = self.continuation(list(lane.history), k) if k > 0 else []
+            got = [(t + 1 + self._rng.randrange(self.vocab_size - 1)) % self.vocab_size
+                   if self._rng.random() < self.corrupt else t for t in got]
+            out.append(Proposal(got))
+        return out
+
+    def observe_round(self, report) -> None:
+        self.rounds.append(report)
 
 
 # -- event collection ---------------------------------------------------------------------------

@@ -54,10 +54,11 @@ class SleepRunner(ToyRunner):
     by the sampler's read-back behaves. Tokens come from the position; cache bookkeeping (slots,
     pages, state images) stays the toy's."""
 
+    launches_async = True  # forwards return at launch, as a CUDA runner's do
+
     def __init__(self, vocab: int, step_s: float, prefill_s: float, text: bool):
         super().__init__(vocab_size=vocab, eos_token_ids=())
         self.step_s, self.prefill_s, self.text = step_s, prefill_s, text
-        self.launches_async = True  # forwards return at launch, as a CUDA runner's do
         self._rows = {}
 
     def _row(self, pos: int) -> torch.Tensor:
@@ -74,17 +75,19 @@ class SleepRunner(ToyRunner):
         _DeviceTensor.ready_at = max(_DeviceTensor.ready_at, time.perf_counter()) + seconds
         return rows.as_subclass(_DeviceTensor)
 
-    def prefill(self, seq, tokens, all_logits: bool = False):
-        n = seq.num_cached + len(tokens)
-        self.state[seq.slot] = torch.tensor([n, 0])
-        if all_logits:
-            rows = torch.stack([self._row(seq.num_cached + i + 1) for i in range(len(tokens))])
-        else:
-            rows = self._row(n).clone()
-        return self._launch(rows, self.prefill_s)
+    def forward(self, batch):
+        from ninfer_core.engine.model_api import SegmentOutput
 
-    def decode(self, seqs, tokens):
-        return self._launch(torch.stack([self._row(s.num_cached + 1) for s in seqs]), self.step_s)
+        segs = batch.segments
+        if segs[0].kind == "prefill":
+            (seg,) = segs
+            n = seg.end
+            self.state[seg.slot] = torch.tensor([n, 0])
+            rows = (torch.stack([self._row(seg.start + i + 1) for i in range(len(seg.tokens))])
+                    if seg.logits == "all" else self._row(n).clone())
+            return [SegmentOutput(self._launch(rows, self.prefill_s))]
+        rows = self._launch(torch.stack([self._row(s.start + 1) for s in segs]), self.step_s)
+        return [SegmentOutput(rows[i]) for i in range(len(segs))]
 
 
 def serve(runner, clients: int, tokens: int):

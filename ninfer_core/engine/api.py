@@ -76,6 +76,9 @@ class GenerationRequest:
     thinking_budget: int | None = None
     budget_close_ids: list[int] = field(default_factory=list)
     post_thinking: SamplingParams | None = None
+    # N-gram drafting: the X-NInfer-Draft-Session this request belongs to (its earlier requests'
+    # text become copy sources with --ngram-archive-mib); None: request-local drafting only.
+    draft_session: str | None = None
 
 
 @dataclass
@@ -115,6 +118,8 @@ class EngineEvent:
     # finish: context-cache facts: source (the reuse path), cache_n, and id_slot / session_digest of
     # the /slots cell the completed session was retained under (None without a context cache)
     context: dict | None = None
+    # finish: speculative-decoding counters (request_done.speculative), None without speculation
+    speculative: dict | None = None
 
 
 @dataclass

@@ -1129,7 +1129,7 @@ def build_context_cache(runner, pages: PagePool, options, state_bytes: int, page
     runner that cannot copy state and pages."""
     if not getattr(options, "prefix_reuse", True):
         return None
-    if not getattr(runner, "supports_context_cache", False):
+    if not runner.supports_context_cache:
         log.info("context cache off: the model runner cannot capture state")
         return None
     caps = CacheCapacities.resolve(options, state_bytes)

@@ -24,9 +24,17 @@ from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, 
 from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.detok import OutputText
-from ninfer_core.engine.model_api import PAGE_SIZE, ModelRunner, SeqView
+from ninfer_core.engine.model_api import (
+    PAGE_SIZE,
+    PREFILL,
+    ForwardBatch,
+    LaneSegment,
+    ModelRunner,
+    RunnerOptions,
+)
 from ninfer_core.engine.pages import PagePool, pages_for
 from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus, post_batch
+from ninfer_core.engine.rounds import RoundDriver
 from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.slots import SlotPool
@@ -44,7 +52,10 @@ UNIT_COUNTERS = ("computed_prefill_tokens", "prefill_seconds", "decode_seconds",
                  "cancelled_prefill_computed_tokens", "context_transfer_seconds",
                  # worker iterations that failed outside any one forward and were survived (spec
                  # ninfer:engine_recoveries_total): the affected requests fail, the worker goes on
-                 "engine_recoveries")
+                 "engine_recoveries",
+                 # speculative decoding, counted when a request completes (spec ninfer:draft_*_total;
+                 # llama.cpp's spec_decode_num_* series): drafted / accepted tokens, rounds with drafts
+                 "draft_tokens", "draft_accepted_tokens", "draft_rounds")
 
 
 def _context_report(seq: Sequence) -> dict | None:
@@ -66,14 +77,22 @@ def _context_report(seq: Sequence) -> dict | None:
 class Engine:
     """Serves GenerationRequests on one ModelRunner; see `ninfer_core.engine.api.EngineClient`."""
 
-    def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions):
+    def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions, spec=None):
+        """`spec`: a loaded `ninfer_core.engine.spec.SpecBackend` (`--spec`), or None."""
         if not 1 <= options.max_concurrency <= 8:
             raise ValueError(f"max_concurrency must be in 1..8, got {options.max_concurrency}")
         self.runner = runner
         self.tokenizer = tokenizer
         self.options = options
+        self.spec = spec
         self.page_size = PAGE_SIZE
         self.pool_pages = pages_for(options.resolved_kv_capacity(), self.page_size)
+        ngram = options.ngram_options(spec.draft_tokens if spec is not None else 0)
+        widths = set(spec.verify_widths if spec is not None else ())
+        if ngram.enabled:
+            widths.update(range(2, 2 + max(ngram.draft_tokens, ngram.lookup_drafts if ngram.lookup else 0)))
+        runner.configure(RunnerOptions(cuda_graph=options.cuda_graph, verify_widths=tuple(sorted(widths)),
+                                       max_lanes=options.max_concurrency))
         self.cache_spec = runner.cache_spec()
         pool = PagePool(self.pool_pages, self.page_size)
         # Context cache (spec "Execution behavior"): None with --no-prefix-reuse or a runner that
@@ -87,7 +106,7 @@ class Engine:
                                    self.page_size, options.default_max_tokens)
         self.capacity = options.max_concurrency + options.max_pending_requests
         eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        eos.update(getattr(getattr(runner, "info", None), "eos_token_ids", ()) or ())
+        eos.update(runner.info.eos_token_ids or ())
         self.eos_token_ids = frozenset(eos)
         self.decode_rounds = options.resolved_decode_rounds()
         self.kv_bytes = self.pool_pages * self.page_size * self.cache_spec.kv_bytes_per_token
@@ -110,11 +129,9 @@ class Engine:
         # so the server turns them into HTTP chunks while the device computes, instead of holding
         # the GIL while the worker prepares that launch; others get them at the end of the round.
         self._outbox: list = []
-        launches_async = getattr(runner, "launches_async", None)
-        if launches_async is None:
-            launches_async = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
-        self._flush_after_launch = bool(launches_async)
+        self._flush_after_launch = bool(runner.launches_async)
         self._launches = 0  # forwards run so far (worker thread only)
+        self.rounds = RoundDriver(self, spec, ngram)
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -203,6 +220,7 @@ class Engine:
                 "state_bytes": self.state_bytes,
                 "counters": dict(self.counters),
                 "context_cache": self.cache.snapshot() if self.cache is not None else None,
+                "speculative": self.rounds.describe(),
             }
 
     def run_control(self, fn) -> "concurrent.futures.Future":
@@ -357,32 +375,7 @@ class Engine:
         return admitted
 
     def _decode(self, batch: list[Sequence]) -> None:
-        views = [SeqView(s.slot, s.pages[: pages_for(s.num_cached + 1, self.page_size)], s.num_cached)
-                 for s in batch]
-        t0 = time.monotonic()
-        try:
-            logits = self.runner.decode(views, [s.last_token for s in batch])
-            self._launches += 1
-            if self._flush_after_launch:
-                self._flush()  # the previous round's events, while the device computes this one
-            tokens = sample(logits, [s.sampler for s in batch])
-            forced = [s.thinking.next_forced() for s in batch]  # an early close commits unsampled
-            tokens = [t if f is None else f for t, f in zip(tokens, forced)]
-            records = self._logprob_records(logits, batch, tokens, forced)
-        except Exception as exc:
-            log.exception("decode failed for %d requests", len(batch))
-            for s in batch:
-                self._fail(s, exc)
-            return
-        with self._cv:  # /v1/load counters: rounds, rows and the tokens they committed
-            for key, n in (("decode_rounds", 1), ("decode_row_rounds", len(batch)),
-                           ("committed_decode_tokens", len(batch)), ("decode_seconds", time.monotonic() - t0)):
-                self.counters[key] = self.counters.get(key, 0) + n
-        for s, token, record in zip(batch, tokens, records):
-            s.num_cached += 1
-            self._commit(s, token, record)
-        if not self._flush_after_launch:
-            self._flush()
+        self.rounds.run(batch)
 
     @staticmethod
     def _logprob_records(logits, seqs: list[Sequence], tokens: list[int], forced: list) -> list:
@@ -414,14 +407,14 @@ class Engine:
                 else:
                     end = ahead[0]  # the chunk ends at the frontier; after_chunk copies the state
         chunk = seq.prompt_ids[start: end]
-        view = SeqView(seq.slot, seq.pages[: pages_for(start + len(chunk), self.page_size)], start)
+        pages = seq.pages[: pages_for(start + len(chunk), self.page_size)]
         last = start + len(chunk) == seq.prompt_len
+        segment = LaneSegment(seq.slot, {g: pages for g in self.cache_spec.group_names}, start, chunk, PREFILL,
+                              "last" if last else "none",
+                              snapshot=None if snap is None else (snap[0] - start, snap[1]))
         t0 = time.monotonic()
         try:
-            if snap is not None:
-                logits = self.runner.prefill_with_snapshot(view, chunk, snap[0] - start, snap[1])
-            else:
-                logits = self.runner.prefill(view, chunk)
+            logits = self.runner.forward(ForwardBatch([segment]))[0].logits
             self._launches += 1
             self._flush()
             if last and seq.request.score_token_ids:
@@ -459,6 +452,12 @@ class Engine:
 
     def _commit(self, seq: Sequence, token: int, record=None) -> None:
         """Append a sampled token, publish its text, and finish the request when it ends."""
+        text, fin = self._take(seq, token, record)
+        self._settle(seq, text, fin)
+
+    def _take(self, seq: Sequence, token: int, record=None) -> tuple[str, tuple | None]:
+        """Append a committed token to the output: (text it makes publishable, finish or None).
+        The finish (reason, stop reason, final text) is carried out by `_settle`."""
         now = time.monotonic()
         seq.t_first = seq.t_first if seq.output_ids else now
         seq.t_last = now
@@ -468,23 +467,27 @@ class Engine:
         if seq.thinking.on_commit(token) and seq.thinking.post_thinking is not None:
             seq.sampler = seq.thinking.switch_sampler(seq.sampler, self.options.greedy)
         if token in self.eos_token_ids and not seq.request.ignore_eos:
-            self._finish(seq, "stop", "eos", seq.output.finish())
-            return
+            return "", ("stop", "eos", seq.output.finish())
         if record is not None:
             seq.unsent_logprobs.append((record, seq.output.decoded_chars))
         text = seq.output.feed(token)
         if seq.output.stopped:  # records of the tokens the stop string cuts are dropped
             published = seq.output.published_chars
             seq.unsent_logprobs = [(r, at) for r, at in seq.unsent_logprobs if at < published]
-            self._finish(seq, "stop", "stop_string", text)
-        elif len(seq.output_ids) >= seq.max_tokens:
-            self._finish(seq, "length", "context" if seq.at_context else "max_tokens",
-                         text + seq.output.finish())
-        else:
-            seq.thinking.start_early_close()
-            if text:
-                ids, seq.unsent_ids = seq.unsent_ids, []
-                self._post(seq, EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
+            return "", ("stop", "stop_string", text)
+        if len(seq.output_ids) >= seq.max_tokens:
+            return "", ("length", "context" if seq.at_context else "max_tokens", text + seq.output.finish())
+        seq.thinking.start_early_close()
+        return text, None
+
+    def _settle(self, seq: Sequence, text: str, fin: tuple | None) -> None:
+        """Publish what `_take` returned for a lane: a delta, or the finish."""
+        if fin is not None:
+            reason, stop_reason, tail = fin
+            self._finish(seq, reason, stop_reason, text + tail)
+        elif text:
+            ids, seq.unsent_ids = seq.unsent_ids, []
+            self._post(seq, EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
 
     def _post(self, seq: Sequence, event: EngineEvent) -> None:
         """Queue an event for the next `_flush` (events posted directly flush first: order kept)."""
@@ -505,6 +508,8 @@ class Engine:
 
     # -- ending requests ------------------------------------------------------------------------
     def _end_locked(self, seq: Sequence, counter: str) -> None:
+        seq.spec_facts = self.rounds.facts(seq)  # before the backend forgets the request
+        self.rounds.released(seq)
         self.scheduler.release(seq)
         self._outstanding -= 1
         self.counters[counter] += 1
@@ -520,6 +525,10 @@ class Engine:
                 except Exception:  # a capture failure must not fail the finished request
                     log.exception("context cache: publishing request %s failed", seq.request_id)
             self.counters["prefix_cache_hit_tokens"] += seq.cache_n
+            self.counters["draft_tokens"] += seq.spec.drafted
+            self.counters["draft_accepted_tokens"] += seq.spec.accepted
+            self.counters["draft_rounds"] += seq.spec.rounds
+            self.rounds.published(seq)
             self._end_locked(seq, "requests_completed")
         if text or seq.unsent_ids:
             ids, seq.unsent_ids = seq.unsent_ids, []
@@ -541,6 +550,15 @@ class Engine:
                  "" if not mat or mat["stop_reason"] == "no_pressure" else
                  f" (best reuse {mat['best_reuse_prompt_tokens']}, degraded {mat['degradation_tokens']}, "
                  f"search {mat['stop_reason']}{', maximal fallback' if mat['maximal_fallback'] else ''})")
+        spec = getattr(seq, "spec_facts", None) or self.rounds.facts(seq)
+        if spec is not None and (spec["rounds"] or spec["fallback_steps"]):
+            rate = spec["accepted_tokens"] / spec["drafted_tokens"] if spec["drafted_tokens"] else 0.0
+            log.info("request %s drafts: %d/%d accepted (%.2f) in %d rounds, %.2f accepted per drafted round, "
+                     "n-gram %d/%d in %d rounds, %d rounds without drafts", seq.request_id,
+                     spec["accepted_tokens"], spec["drafted_tokens"], rate, spec["rounds"],
+                     spec["accepted_tokens"] / spec["rounds"] if spec["rounds"] else 0.0,
+                     spec["ngram_accepted_tokens"], spec["ngram_drafted_tokens"], spec["ngram_rounds"],
+                     spec["fallback_steps"])
         facts = seq.thinking.facts() if seq.thinking is not None else None
         if facts is not None:  # the requested budget, and the effective one when it differs
             budget = facts["budget_requested"]
@@ -553,7 +571,7 @@ class Engine:
                            timings=seq.timings(), matched_stop=seq.output.matched_stop,
                            scores=getattr(seq, "scores", None),
                            thinking=seq.thinking.facts() if seq.thinking is not None else None,
-                           context=_context_report(seq))
+                           context=_context_report(seq), speculative=spec)
 
     def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(

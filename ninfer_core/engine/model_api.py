@@ -1,21 +1,41 @@
-"""The model-family contract: what a family plugin gives the engine.
+"""The model-family contract (v2): everything the engine calls on a family's runner.
 
-The engine owns bookkeeping (lanes, KV pages, state slots); the family owns tensors and forwards.
-A family declares its cache geometry (`CacheSpec`); the engine sizes pools from it and hands the
-family page ids and slot ids. Every forward has a torch reference path that runs on the CPU.
+The engine owns bookkeeping (lanes, KV pages, state slots, drafts); the family owns tensors and
+forwards. A family declares its cache geometry (`CacheSpec`: KV layer groups and the state-slot
+size); the engine sizes its pools from it and hands the runner page ids and slot ids.
 
-Paged KV: each attention layer keeps K and V as [num_pages, page_size, kv_heads, head_dim]; a
-sequence's token at position p lives in page `pages[p // page_size]`, row `p % page_size`.
-State slots: each recurrent layer keeps its conv and recurrent state per slot index.
+One forward entry point, `ModelRunner.forward(ForwardBatch)`: per lane a `LaneSegment` (a prefill
+chunk, a decode of one token, or a verify of k+1 tokens), the lane's page table for each KV layer
+group, per-token side inputs, and what to return (logits of the last or of every position, hidden
+states at chosen layers). Decode is a verify with k = 0 that needs no commit. After a forward with
+verify segments, `commit` keeps each lane's accepted prefix: recurrent state ends exactly at the
+accepted position, KV beyond it is ignored (the engine's length says where a lane ends).
+
+Paged KV: a KV group keeps, per layer, K and V as [num_pages, page_size, kv_heads, head_dim]; a
+lane's token at position p lives in page `table[p // page_size]`, row `p % page_size`. Every group
+shares one page-id space today (the engine's one pool; `KVGroup.bytes_per_token` adds up), so a
+checkpoint's pages cover every group at once, draft-head KV included.
+State slots: each recurrent layer keeps its conv and recurrent state per slot index; a runner with
+a draft head enabled also keeps there the final hidden state of the lane's last position.
+
+Every forward has a torch reference path that runs on the CPU (`ninfer_core.testing.ToyRunner`
+implements this contract without torch kernels; `ninfer_qwen35.runner.Qwen35Runner` is the
+reference family).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 PAGE_SIZE = 64
+FINAL_HIDDEN = -1  # hidden-state "layer" of the final-normed output (the input of the LM head)
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+SEGMENT_KINDS = (PREFILL, DECODE, VERIFY)
+LOGITS_LAST, LOGITS_ALL, LOGITS_NONE = "last", "all", "none"
 
 
 @dataclass(frozen=True)
@@ -23,31 +43,88 @@ class KVGroup:
     """Attention layers sharing one KV page geometry."""
 
     name: str
-    layers: tuple[int, ...]  # model layer indices in this group
+    layers: tuple[int, ...]  # model layer indices in this group (draft-head layers count past the model's)
     kv_heads: int
     head_dim: int
     bytes_per_token: int  # K+V bytes of one token across all layers of the group
-    window: int | None = None  # sliding window (pages outside it may be released); None = global
+    window: int | None = None  # sliding window in tokens (pages outside it may be released); None = global
+    page_size: int = PAGE_SIZE
 
 
 @dataclass(frozen=True)
 class CacheSpec:
     kv_groups: tuple[KVGroup, ...]
-    state_bytes: int  # bytes of one state slot (all recurrent layers: conv + recurrent state)
+    state_bytes: int  # bytes of one state slot (recurrent conv + SSM state, draft-head hidden)
     state_layers: tuple[int, ...] = ()  # model layer indices holding recurrent state
 
     @property
     def kv_bytes_per_token(self) -> int:
         return sum(g.bytes_per_token for g in self.kv_groups)
 
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.kv_groups)
+
+
+@dataclass
+class SideInputs:
+    """Per-token inputs beside the token ids, computed outside the family's forward.
+
+    positions: None (start .. start+T-1), or int positions [T], or [3, T] multimodal (mRoPE)
+    positions. embeddings: (row, tensor [n, hidden]) pairs spliced over the token embeddings of
+    rows row..row+n-1 (media placeholders). extras: family-defined per-token values.
+    """
+
+    positions: Any = None
+    embeddings: list = field(default_factory=list)
+    extras: dict = field(default_factory=dict)
+
+
+@dataclass
+class LaneSegment:
+    """One lane's run of new tokens in a forward.
+
+    `tables[group]` must cover positions [0, start + len(tokens)); `start` tokens are already in
+    the lane's KV pages and folded into its state slot. `snapshot=(at, slot)` (prefill only) also
+    leaves the lane's state after its first `at` tokens in state slot `slot` (a checkpoint inside
+    the chunk, 0 < at < len(tokens)).
+    """
+
+    slot: int
+    tables: Mapping[str, Sequence[int]]
+    start: int
+    tokens: Sequence[int]
+    kind: str = PREFILL
+    logits: str = LOGITS_LAST
+    hidden: tuple[int, ...] = ()  # layer outputs to return (FINAL_HIDDEN: the final-normed state)
+    snapshot: tuple[int, int] | None = None
+    side: SideInputs | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class ForwardBatch:
+    segments: list[LaneSegment]
+
+
+@dataclass
+class SegmentOutput:
+    """logits: fp32 [vocab] (last) or [T, vocab] (all) or None; hidden: {layer: [T, hidden]}."""
+
+    logits: Any = None
+    hidden: dict = field(default_factory=dict)
+
 
 @dataclass
 class SeqView:
-    """One sequence as the model sees it in a forward.
-
-    `pages` must cover positions [0, num_cached + len(new tokens)); `num_cached` tokens are
-    already in the KV pages and folded into the state slot.
-    """
+    """One lane as the convenience forwards (`prefill`, `decode`) see it: its state slot, the page
+    ids of every KV group (one shared table) and the positions already cached."""
 
     slot: int
     pages: list[int]
@@ -56,9 +133,9 @@ class SeqView:
 
 @dataclass
 class StateImage:
-    """The recurrent state of one sequence at an exact token frontier, outside any state slot.
+    """The continuation state of one lane at an exact token frontier, outside any state slot.
 
-    `tensors` maps a name (e.g. "conv.3", "ssm.3") to a Host tensor; `nbytes` is their size.
+    `tensors` maps a name (e.g. "conv.3", "ssm.3", "hidden") to a Host tensor; `nbytes` is their size.
     """
 
     tensors: dict[str, Any]
@@ -79,12 +156,81 @@ class ModelInfo:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class RunnerOptions:
+    """Load-time switches the engine passes to `ModelRunner.configure`."""
+
+    cuda_graph: bool = True
+    verify_widths: tuple[int, ...] = ()  # k+1 widths a speculative backend verifies (graphs, warm-up)
+    max_lanes: int = 1
+
+
+@dataclass
+class DraftStep:
+    """One lane's row of a draft-head step: the token at `position` and the hidden state it
+    conditions on (the target's at position-1, or the head's own output of the previous step).
+
+    `prev_hidden` None takes the target hidden the runner keeps in the lane's state slot (valid
+    when `position` is the lane's frontier). `table` is the page table the head attends through
+    (the lane's own, or a window of it); `write_table` says where its new KV row goes (default:
+    `table`); `kv_len` the number of keys the row attends over in `table` (default position + 1).
+    """
+
+    slot: int
+    position: int
+    token: int
+    table: Sequence[int]
+    prev_hidden: Any = None
+    write_table: Sequence[int] | None = None
+    kv_len: int | None = None
+
+
+class DraftHead(ABC):
+    """A family's own draft layers (Qwen3.5's MTP block) as a speculative backend reaches them.
+
+    Enabling a head (`ModelRunner.enable_draft_head`, before `allocate_cache`) adds its KV group to
+    the cache spec and makes every target forward write the head's KV for the positions it runs
+    (the head's KV at position p depends only on token p and the target's hidden at p-1), so the
+    head's cache is always in step with the target's and checkpoints carry it.
+    """
+
+    name: str = ""
+    kv_group: str = ""
+    hidden_size: int = 0
+
+    @abstractmethod
+    def step(self, rows: Sequence[DraftStep]) -> Any:
+        """One draft position per lane, batched: writes each row's KV and returns the head's
+        final-normed hidden [len(rows), hidden] (feed it to `ModelRunner.logits`, or to a proposal
+        head, and as `prev_hidden` of the next step)."""
+
+    def chain(self, rows: Sequence[DraftStep], steps: int, pick) -> Any:
+        """`steps` chained draft positions per lane: the first from `rows`, each next one position
+        on, fed the previous step's pick and output hidden. `pick(hidden [B, H]) -> ids [B]` must
+        be device tensor ops only (a family may run the whole chain as one CUDA Graph). Returns the
+        picks [B, steps]. This default runs `step` `steps` times."""
+        import torch
+
+        out = []
+        rows = list(rows)
+        for j in range(steps):
+            hidden = self.step(rows)
+            ids = pick(hidden)
+            out.append(ids)
+            if j + 1 < steps:
+                tok = ids.tolist()
+                rows = [DraftStep(r.slot, r.position + 1, int(t), r.table, hidden[i], r.write_table,
+                                  None if r.kv_len is None else r.kv_len + 1) for i, (r, t) in enumerate(zip(rows, tok))]
+        return torch.stack(out, 1)
+
+
 class ModelRunner(ABC):
-    """A loaded model: owns weights and cache tensors on one device."""
+    """A loaded model: owns weights and cache tensors on one device. Everything the engine calls."""
 
     info: ModelInfo
     device: Any  # torch.device
 
+    # -- cache -----------------------------------------------------------------------------------
     @abstractmethod
     def cache_spec(self) -> CacheSpec:
         """The KV and state geometry; the engine sizes its pools from it."""
@@ -95,22 +241,26 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def reset_slot(self, slot: int) -> None:
-        """Zero a state slot so a new sequence can start at position 0 in it."""
+        """Zero a state slot so a new lane can start at position 0 in it."""
+
+    def free_cache(self) -> None:
+        """Release the cache tensors (before a re-allocation, enabling a draft head, or a suspend)."""
+        raise NotImplementedError
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one state slot into another (a Device checkpoint's StateImage to a lane, and back)."""
         raise NotImplementedError
 
-    # -- context cache (optional; a runner without these serves every request from root) -------
+    # -- context cache (optional; a runner without these serves every request from root) ---------
     def copy_page(self, src: int, dst: int) -> None:
-        """Copy one KV page of every attention layer (copy-on-write of a checkpoint's tail page)."""
+        """Copy one KV page of every KV group (copy-on-write of a checkpoint's tail page)."""
         raise NotImplementedError
 
-    def capture_state(self, slot: int) -> "StateImage":
-        """A Host copy of a state slot: every recurrent layer's conv and recurrent state."""
+    def capture_state(self, slot: int) -> StateImage:
+        """A Host copy of a state slot: everything the lane's continuation needs besides its KV."""
         raise NotImplementedError
 
-    def restore_state(self, image: "StateImage", slot: int) -> None:
+    def restore_state(self, image: StateImage, slot: int) -> None:
         """Write a StateImage back into a state slot (exactly what `capture_state` read)."""
         raise NotImplementedError
 
@@ -129,27 +279,122 @@ class ModelRunner(ABC):
         return all(getattr(cls, name) is not getattr(ModelRunner, name)
                    for name in ("copy_slot", "copy_page", "capture_state", "restore_state"))
 
+    # -- forwards --------------------------------------------------------------------------------
     @abstractmethod
-    def prefill(self, seq: SeqView, tokens: Sequence[int], all_logits: bool = False):
-        """Run `tokens` at positions num_cached.. of `seq`; write their KV and advance its state.
+    def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
+        """Run every segment, write its KV, advance its state slot; one output per segment.
 
-        Returns fp32 logits: [vocab] for the last token, or [len(tokens), vocab] with all_logits.
-        The caller advances `seq.num_cached` afterwards.
+        Verify segments advance their slots provisionally: call `commit` for every one of them
+        before the next forward that touches those slots.
         """
 
-    def prefill_with_snapshot(self, seq: SeqView, tokens: Sequence[int], at: int, slot: int):
-        """`prefill`, and also leave in state slot `slot` the lane's state after the first `at`
-        tokens (0 < at < len(tokens)): a checkpoint inside a chunk. This default runs two forwards
-        around a `copy_slot`; a runner that can snapshot inside one forward overrides it."""
-        if not 0 < at < len(tokens):
-            raise ValueError(f"snapshot position {at} outside the chunk of {len(tokens)} tokens")
-        self.prefill(SeqView(seq.slot, seq.pages, seq.num_cached), tokens[:at])
-        self.copy_slot(seq.slot, slot)
-        return self.prefill(SeqView(seq.slot, seq.pages, seq.num_cached + at), tokens[at:])
+    def commit(self, kept: Sequence[tuple[int, int]]) -> None:
+        """(slot, n) per lane of the last forward's verify segments: keep its first n tokens
+        (1 <= n <= the segment's length), so the recurrent state ends after them exactly."""
+        raise NotImplementedError
 
-    @abstractmethod
+    def embed(self, token_ids) -> Any:
+        """The target's token embeddings [T, hidden] (drafters that share them)."""
+        raise NotImplementedError
+
+    def logits(self, hidden) -> Any:
+        """fp32 logits [T, vocab] of final-normed hidden states (the shared LM head)."""
+        raise NotImplementedError
+
+    # -- draft heads and options -----------------------------------------------------------------
+    def draft_heads(self) -> tuple[str, ...]:
+        """Names of the draft heads this artifact carries (e.g. ("mtp",))."""
+        return ()
+
+    def enable_draft_head(self, name: str) -> DraftHead:
+        """Turn a draft head on (before `allocate_cache`): its KV joins the cache spec."""
+        raise ValueError(f"this model has no draft head {name!r}")
+
+    def configure(self, options: RunnerOptions) -> None:
+        """Load-time switches (CUDA Graphs, the verify widths to prepare); before allocate_cache."""
+
+    @property
+    def launches_async(self) -> bool:
+        """True when a forward only queues device work (CUDA): the engine then hands the previous
+        round's events to the server while the device computes."""
+        return getattr(getattr(self, "device", None), "type", "cpu") == "cuda"
+
+    # -- conveniences over `forward` (tools, tests, benches; the engine calls `forward`) ----------
+    def _tables(self, pages: Sequence[int]) -> dict[str, Sequence[int]]:
+        return {name: pages for name in self.cache_spec().group_names} or {"": pages}
+
+    def prefill(self, seq: SeqView, tokens: Sequence[int], all_logits: bool = False):
+        """Run `tokens` at positions num_cached.. of `seq`: fp32 logits [vocab] of the last token,
+        or [len(tokens), vocab] with all_logits. The caller advances `seq.num_cached`."""
+        seg = LaneSegment(seq.slot, self._tables(seq.pages), seq.num_cached, list(tokens), PREFILL,
+                          LOGITS_ALL if all_logits else LOGITS_LAST)
+        return self.forward(ForwardBatch([seg]))[0].logits
+
+    def prefill_with_snapshot(self, seq: SeqView, tokens: Sequence[int], at: int, slot: int):
+        """`prefill`, also leaving in state slot `slot` the state after the first `at` tokens."""
+        seg = LaneSegment(seq.slot, self._tables(seq.pages), seq.num_cached, list(tokens), PREFILL,
+                          snapshot=(at, slot))
+        return self.forward(ForwardBatch([seg]))[0].logits
+
     def decode(self, seqs: Sequence[SeqView], tokens: Sequence[int]):
-        """One new token per sequence, all in one batched forward. Returns fp32 logits [B, vocab]."""
+        """One new token per lane, all in one batched forward: fp32 logits [B, vocab]."""
+        if len(seqs) != len(tokens) or not seqs:
+            raise ValueError(f"decode needs one token per sequence (got {len(seqs)} sequences, "
+                             f"{len(tokens)} tokens)")
+        out = self.forward(ForwardBatch([LaneSegment(s.slot, self._tables(s.pages), s.num_cached, [int(t)],
+                                                     DECODE) for s, t in zip(seqs, tokens)]))
+        import torch
+
+        return torch.stack([o.logits for o in out])
+
+    def forward_hidden(self, seqs: Sequence[SeqView], tokens: Sequence[Sequence[int]]):
+        """Final-normed hidden states [sum(T), hidden] of a prefill over several lanes."""
+        out = self.forward(ForwardBatch([LaneSegment(s.slot, self._tables(s.pages), s.num_cached, list(t),
+                                                     PREFILL, LOGITS_NONE, (FINAL_HIDDEN,))
+                                         for s, t in zip(seqs, tokens)]))
+        import torch
+
+        return torch.cat([o.hidden[FINAL_HIDDEN] for o in out])
+
+
+def check_batch(batch: ForwardBatch, vocab_size: int, num_slots: int, num_pages: int,
+                groups: Sequence[str], page_size: int = PAGE_SIZE) -> None:
+    """The checks every runner makes before a forward (ValueError with what is wrong)."""
+    if not batch.segments:
+        raise ValueError("a forward needs at least one segment")
+    slots = [s.slot for s in batch.segments]
+    if len(set(slots)) != len(slots):
+        raise ValueError("a forward batch holds the same state slot twice")
+    for seg in batch.segments:
+        if seg.kind not in SEGMENT_KINDS:
+            raise ValueError(f"unknown segment kind {seg.kind!r}")
+        if not seg.tokens:
+            raise ValueError("a segment needs at least one token")
+        if seg.kind == DECODE and len(seg.tokens) != 1:
+            raise ValueError(f"a decode segment has one token, got {len(seg.tokens)}")
+        if seg.logits not in (LOGITS_LAST, LOGITS_ALL, LOGITS_NONE):
+            raise ValueError(f"unknown logits selection {seg.logits!r}")
+        if not 0 <= seg.slot < num_slots:
+            raise ValueError(f"state slot {seg.slot} outside 0..{num_slots - 1}")
+        for t in seg.tokens:
+            if not 0 <= int(t) < vocab_size:
+                raise ValueError(f"token id {t} outside the vocabulary (size {vocab_size})")
+        need = -(-seg.end // page_size)
+        for g in groups:
+            table = seg.tables.get(g)
+            if table is None:
+                raise ValueError(f"segment has no page table for KV group {g!r}")
+            if len(table) < need:
+                raise ValueError(f"sequence needs {need} pages for {seg.end} positions, has {len(table)}")
+            bad = [p for p in table[:need] if not 0 <= p < num_pages]
+            if bad:
+                raise ValueError(f"page ids {bad} outside the pool of {num_pages} pages")
+        if seg.snapshot is not None:
+            at, snap_slot = seg.snapshot
+            if seg.kind != PREFILL or not 0 < at < len(seg.tokens):
+                raise ValueError(f"snapshot position {at} outside the chunk of {len(seg.tokens)} tokens")
+            if not 0 <= snap_slot < num_slots or snap_slot == seg.slot:
+                raise ValueError(f"snapshot slot {snap_slot} is not another state slot")
 
 
 class ModelFamily(ABC):
@@ -158,9 +403,15 @@ class ModelFamily(ABC):
     name: str = ""
 
     @abstractmethod
-    def load(self, artifact, device: str = "cpu", dtype: str | None = None) -> ModelRunner:
-        """Build the model from an open `ninfer_core.artifact.Artifact` (weights memory-mapped)."""
+    def load(self, artifact, device: str = "cpu", dtype: str | None = None, options: Any = None) -> ModelRunner:
+        """Build the model from an open `ninfer_core.artifact.Artifact` (weights memory-mapped).
+
+        `options` holds the serve options the family's plugin added (`ninfer_add_serve_options`)."""
 
     def convert_hf_config(self, hf_config: dict) -> dict:
         """The model config stored in the artifact manifest; HF's config.json is kept as is by default."""
         return hf_config
+
+    def sampling_presets(self, architecture: str) -> dict | None:
+        """The family's sampler presets {"thinking": {...}, "non_thinking": {...}}, or None for core's."""
+        return None

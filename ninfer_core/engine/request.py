@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from ninfer_core.engine.api import EngineEvent, GenerationRequest
+from ninfer_core.engine.spec import SpecStats
 
 if TYPE_CHECKING:
     from ninfer_core.engine.detok import OutputText
@@ -186,6 +187,9 @@ class Sequence:
         self.hints = getattr(request, "checkpoint_hints", None)
         self.cache_plan = None
         self.cache_n = 0
+        # Speculative decoding: counters, and the lane's n-gram drafting state (engine.ngram)
+        self.spec = SpecStats()
+        self.drafter = None
 
         self.t_submit = time.monotonic()
         self.t_admit: float | None = None
@@ -223,7 +227,7 @@ class Sequence:
         def per_token(ms, n):
             return ms / n if n and ms > 0 else 0.0
 
-        return {
+        out = {
             "cache_n": self.cache_n,
             "prompt_n": prompt_n,
             "prompt_ms": prompt_ms,
@@ -234,3 +238,7 @@ class Sequence:
             "predicted_per_token_ms": per_token(predicted_ms, intervals),
             "predicted_per_second": rate(intervals, predicted_ms),
         }
+        if self.spec.rounds:  # spec: draft_n / draft_n_accepted when draft work occurred
+            out["draft_n"] = self.spec.drafted
+            out["draft_n_accepted"] = self.spec.accepted
+        return out

@@ -1,14 +1,24 @@
-"""Token selection on the logits' device: exact argmax, or penalties, temperature and the
-top-k / top-p / min-p filters over the 20 most likely candidates, then a per-request draw.
+"""Token selection: exact argmax, or penalties, temperature and the top-k / top-p / min-p filters
+over the 20 most likely candidates, then a per-request draw.
 
-Every sampling request owns a torch.Generator seeded from its signed 64-bit seed and draws one
-uniform number per token from it, so its output does not depend on which other requests share
-the batch.
+Every sampling request owns a stream of uniform numbers seeded from its signed 64-bit seed
+(`UniformStream`, on the host) and spends one number per output position, whichever way the
+position's token was found, so its output does not depend on which other requests share the batch.
+The token of a position is the inverse-CDF pick of that position's filtered distribution at its
+number. A speculative round verifies drafts against exactly that pick (`pick_tokens` over the
+verify rows): a draft is accepted when it equals the pick, which happens with probability p(draft),
+and on a rejection the pick is a draw from the residual distribution p(. | != draft), so the output
+distribution is the target's (rejection sampling with the drafter's point-mass proposal, coupled
+through the position's one number), and a seeded request's output is the same token for token with
+or without a speculative backend. Drafts that come with their own distribution q use the general
+test `accept_with_residual` instead.
 """
 
 from __future__ import annotations
 
+import random
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -29,15 +39,37 @@ def random_seed() -> int:
     return secrets.randbits(64) - (1 << 63)
 
 
+class UniformStream:
+    """One request's uniform numbers in [0, 1), one per output position, read ahead on demand.
+
+    A host PRNG (Python's Mersenne Twister seeded with the unsigned seed): a verify round peeks at
+    the numbers of its k+1 positions and consumes only those of the tokens it commits."""
+
+    def __init__(self, seed: int):
+        self._rng = random.Random(seed_to_u64(seed))
+        self._ahead: deque[float] = deque()
+
+    def peek(self, n: int) -> list[float]:
+        while len(self._ahead) < n:
+            self._ahead.append(self._rng.random())
+        return [self._ahead[i] for i in range(n)]
+
+    def take(self, n: int = 1) -> list[float]:
+        got = self.peek(n)
+        for _ in range(n):
+            self._ahead.popleft()
+        return got
+
+
 @dataclass
 class SamplerState:
-    """One request's sampling parameters, generator and generated-token counts."""
+    """One request's sampling parameters, uniform stream and generated-token counts."""
 
     params: SamplingParams
     seed: int  # signed 64-bit, as reported to the caller
     greedy: bool = False
     counts: dict[int, int] = field(default_factory=dict)
-    _generator: torch.Generator | None = None
+    stream: UniformStream | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, *, force_greedy: bool = False,
@@ -58,44 +90,44 @@ class SamplerState:
     def has_penalties(self) -> bool:
         return bool(self.params.presence_penalty or self.params.frequency_penalty)
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(seed_to_u64(self.seed))
-        return self._generator
+    def uniforms(self) -> UniformStream:
+        if self.stream is None:
+            self.stream = UniformStream(self.seed)
+        return self.stream
 
     def observe(self, token_id: int) -> None:
         """Count a committed output token (penalties apply to generated tokens only)."""
         if self.has_penalties:
             self.counts[token_id] = self.counts.get(token_id, 0) + 1
 
-
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
-    """Pick one token per row of `logits` [B, vocab] (fp32) for the matching request state."""
-    if logits.dim() == 1:
-        logits = logits.unsqueeze(0)
-    out = [0] * len(states)
-    greedy = [i for i, s in enumerate(states) if s.greedy]
-    drawn = [i for i, s in enumerate(states) if not s.greedy]
-    if greedy:
-        picks = logits[greedy].argmax(dim=-1).tolist()
-        for i, t in zip(greedy, picks):
-            out[i] = t
-    if drawn:
-        picks = _draw(logits[drawn], [states[i] for i in drawn])
-        for i, t in zip(drawn, picks):
-            out[i] = t
-    return out
+    def counts_with(self, drafts) -> dict[int, int]:
+        """The penalty counts at a verify position: committed tokens plus the drafts before it."""
+        if not self.has_penalties or not drafts:
+            return self.counts
+        out = dict(self.counts)
+        for t in drafts:
+            out[t] = out.get(t, 0) + 1
+        return out
 
 
-def _draw(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
+def _penalised(x: torch.Tensor, state: SamplerState, counts: dict[int, int] | None) -> torch.Tensor:
+    """Row `x` [vocab] (fp32, a copy) after the presence/frequency penalties of `counts`."""
+    counts = state.counts if counts is None else counts
+    if state.has_penalties and counts:
+        ids = torch.tensor(list(counts), device=x.device)
+        n = torch.tensor(list(counts.values()), device=x.device, dtype=x.dtype)
+        x[ids] -= state.params.presence_penalty + state.params.frequency_penalty * n
+    return x
+
+
+def filtered_probs(logits: torch.Tensor, states: list[SamplerState], counts: list | None = None):
+    """The sampling distribution of each row over its candidates: (probs [B, k], ids [B, k]).
+
+    Penalties, then the 20 most likely, temperature, top-k, top-p, min-p, renormalised."""
     device = logits.device
     x = logits.float().clone()  # [B, vocab]
     for row, s in enumerate(states):
-        if s.has_penalties and s.counts:
-            ids = torch.tensor(list(s.counts), device=device)
-            counts = torch.tensor(list(s.counts.values()), device=device, dtype=x.dtype)
-            x[row, ids] -= s.params.presence_penalty + s.params.frequency_penalty * counts
+        _penalised(x[row], s, None if counts is None else counts[row])
     k = min(CANDIDATES, x.shape[-1])
     vals, ids = x.topk(k, dim=-1)  # [B, k], sorted descending
 
@@ -112,19 +144,66 @@ def _draw(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     probs = probs * (before < column([s.params.top_p for s in states]))
     # min_p: relative to the most likely candidate
     probs = probs * (probs >= column([s.params.min_p for s in states]) * probs[:, :1])
+    return probs / probs.sum(-1, keepdim=True), ids
+
+
+def _inverse_cdf(probs: torch.Tensor, ids: torch.Tensor, u: list[float]) -> list[int]:
     cum = probs.cumsum(-1)
-    u = torch.stack([torch.rand((), generator=s.generator(device), device=device) for s in states])
-    target = u.to(cum.dtype).unsqueeze(1) * cum[:, -1:]
-    choice = (cum < target).sum(-1).clamp_(max=k - 1)  # first candidate whose cumulative mass reaches u
+    target = torch.tensor(u, device=probs.device, dtype=cum.dtype).unsqueeze(1) * cum[:, -1:]
+    choice = (cum < target).sum(-1).clamp_(max=probs.shape[-1] - 1)  # first candidate reaching u
     return ids.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
+
+
+def pick_tokens(logits: torch.Tensor, states: list[SamplerState], uniforms: list[float | None],
+                counts: list | None = None) -> list[int]:
+    """The token of each row [B, vocab]: argmax for greedy rows, else the inverse-CDF pick of the
+    row's filtered distribution at its uniform number (`counts[row]`: its penalty counts)."""
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    out = [0] * len(states)
+    greedy = [i for i, s in enumerate(states) if s.greedy]
+    drawn = [i for i, s in enumerate(states) if not s.greedy]
+    if greedy:
+        for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            out[i] = t
+    if drawn:
+        probs, ids = filtered_probs(logits[drawn], [states[i] for i in drawn],
+                                    None if counts is None else [counts[i] for i in drawn])
+        for i, t in zip(drawn, _inverse_cdf(probs, ids, [uniforms[i] for i in drawn])):
+            out[i] = t
+    return out
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
+    """Pick one token per row of `logits` [B, vocab] (fp32), spending each sampling row's number."""
+    return pick_tokens(logits, states, [None if s.greedy else s.uniforms().take(1)[0] for s in states])
+
+
+def accept_with_residual(p_probs: torch.Tensor, p_ids: torch.Tensor, draft: int, q: torch.Tensor,
+                         u_accept: float, u_residual: float) -> tuple[bool, int]:
+    """Rejection sampling for a draft drawn from a distribution q [vocab]: accept with probability
+    min(1, p(d)/q(d)); otherwise draw from the residual max(p - q, 0), renormalised.
+
+    p is given over its candidates (p_probs [k], p_ids [k]). Returns (accepted, token)."""
+    p = torch.zeros_like(q, dtype=torch.float32)
+    p[p_ids] = p_probs.float()
+    qd = float(q[draft])
+    if qd > 0 and u_accept < min(1.0, float(p[draft]) / qd):
+        return True, draft
+    resid = (p - q.float()).clamp_(min=0)
+    total = float(resid.sum())
+    if total <= 0:  # p == q: the draft's rejection cannot happen; fall back to p itself
+        resid, total = p, float(p.sum())
+    cum = resid.cumsum(0)
+    return False, int((cum < u_residual * total).sum().clamp(max=q.numel() - 1))
 
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a sampled token outside its position's top 20
 
 
 def token_logprobs(logits: torch.Tensor, states: list[SamplerState], tokens: list[int],
-                   ks: list[int]) -> list:
-    """TokenLogprob per row for the tokens just sampled (call before `observe`).
+                   ks: list[int], counts: list | None = None) -> list:
+    """TokenLogprob per row for the tokens just picked (call before `observe`).
 
     Values: the logits after the presence/frequency penalties, divided by the temperature (1 for
     greedy), log-softmaxed over the whole vocabulary; top_k/top_p/min_p do not change them. A token
@@ -135,11 +214,7 @@ def token_logprobs(logits: torch.Tensor, states: list[SamplerState], tokens: lis
         logits = logits.unsqueeze(0)
     out = []
     for row, (s, token, k) in enumerate(zip(states, tokens, ks)):
-        x = logits[row].float().clone()  # [vocab]
-        if s.has_penalties and s.counts:
-            ids = torch.tensor(list(s.counts), device=x.device)
-            counts = torch.tensor(list(s.counts.values()), device=x.device, dtype=x.dtype)
-            x[ids] -= s.params.presence_penalty + s.params.frequency_penalty * counts
+        x = _penalised(logits[row].float().clone(), s, None if counts is None else counts[row])  # [vocab]
         if not s.greedy and s.params.temperature > 0:
             x = x / s.params.temperature
         lp = torch.log_softmax(x, dim=-1)

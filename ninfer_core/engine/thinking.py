@@ -81,7 +81,7 @@ class ThinkingControl:
         if params.seed is None:
             params = replace(params, seed=sampler.seed)
             new = SamplerState.create(params, force_greedy=force_greedy)
-            new._generator = sampler._generator
+            new.stream = sampler.uniforms()  # the same numbers continue
         else:
             new = SamplerState.create(params, force_greedy=force_greedy)
         new.counts = dict(sampler.counts)

@@ -34,12 +34,20 @@ def model_object(ctx: ServerContext) -> dict[str, Any]:
     }
 
 
+def _speculative(ctx: ServerContext) -> bool:
+    try:
+        return bool((ctx.engine.snapshot() or {}).get("speculative")) if ctx.engine is not None else False
+    except Exception:  # noqa: BLE001 - /props answers even if the engine is unwell
+        return False
+
+
 def props(ctx: ServerContext) -> dict[str, Any]:
     eng = ctx.options.engine
     limit = eng.default_max_tokens if eng.default_max_tokens is not None else -1
     params = {"n_predict": limit, "max_tokens": limit, **default_settings(ctx)}
     return {
-        "default_generation_settings": {"n_ctx": eng.max_context, "speculative": False, "params": params},
+        "default_generation_settings": {"n_ctx": eng.max_context, "speculative": _speculative(ctx),
+                                        "params": params},
         "total_slots": eng.max_concurrency,
         "model_alias": ctx.model.id,
         "model_path": ctx.model.artifact_path,

@@ -34,7 +34,15 @@ def compat_facts(ctx: ServerContext, engine: Any) -> dict:
             "architecture": m.architecture, "n_params": m.n_params, "n_vocab": m.n_vocab,
             "kv_dtype": ctx.options.engine.kv_dtype, "page_size": engine.page_size,
             "kv_bytes_per_token": spec.kv_bytes_per_token, "state_bytes": spec.state_bytes,
-            "speculative": None}
+            "speculative": _spec_identity(engine)}
+
+
+def _spec_identity(engine: Any) -> dict | None:
+    """Backend, draft tokens and draft head: a slot file restores only under the same speculative setup."""
+    backend = ((engine.snapshot() or {}).get("speculative") or {}).get("backend")
+    if not backend:
+        return None
+    return {k: backend.get(k) for k in ("backend", "draft_tokens", "draft_head")}
 
 
 class Slots:
@@ -54,8 +62,12 @@ class Slots:
             eng, cache = catalog()
             if cache is None:
                 return []
+            speculative = bool((eng.snapshot() or {}).get("speculative"))
             with eng._cv:
-                return cache.slots_report(ctx.options.engine.max_context, list(eng.scheduler.lanes))
+                rows = cache.slots_report(ctx.options.engine.max_context, list(eng.scheduler.lanes))
+            for row in rows:
+                row["speculative"] = speculative
+            return rows
 
         async def slot_action(id_slot: str, request: Request) -> dict:
             action = request.query_params.get("action")

@@ -33,6 +33,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
         from ninfer_core.server.request_log import RequestLogMiddleware
 
         app.add_middleware(RequestLogMiddleware)
+    if ctx.options.engine.ngram_archive_mib:  # X-NInfer-Draft-Session binds requests to a draft session
+        from ninfer_core.server.draft_session import DraftSessionMiddleware
+
+        app.add_middleware(DraftSessionMiddleware)
     app.add_middleware(ServerMiddleware, ctx=ctx)
     return app
 

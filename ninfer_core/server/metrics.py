@@ -98,6 +98,13 @@ def render_metrics(ctx: ServerContext) -> str:
         _num(c, "draft_tokens"))
     one("ninfer:draft_accepted_tokens_total", "counter", "speculative draft tokens accepted for completed requests",
         _num(c, "draft_accepted_tokens"))
+    # llama.cpp's speculative series (its --metrics names), over the same completed-request totals
+    one("llamacpp:spec_decode_num_draft_tokens_total", "counter", "speculative draft tokens proposed",
+        _num(c, "draft_tokens"))
+    one("llamacpp:spec_decode_num_accepted_tokens_total", "counter", "speculative draft tokens accepted",
+        _num(c, "draft_accepted_tokens"))
+    one("llamacpp:spec_decode_num_drafts_total", "counter", "speculative rounds that verified drafts",
+        _num(c, "draft_rounds"))
     one("ninfer:context_cache_exhausted_requests_total", "counter",
         "requests failed because the context cache had no placement for them", _num(c, "context_cache_exhausted"))
     one("ninfer:engine_recoveries_total", "counter",

@@ -25,14 +25,12 @@ QWEN_NON_THINKING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0
 def default_sampling_presets(architecture: str, family: Any = None) -> dict[str, dict]:
     """{"thinking": {...}, "non_thinking": {...}} for the loaded model.
 
-    A model family may state its own through a `sampling_presets(architecture)` method; every
-    family registered today uses the Qwen presets.
+    A model family states its own through `ModelFamily.sampling_presets(architecture)`; without
+    one (None) the Qwen presets apply.
     """
-    own = getattr(family, "sampling_presets", None)
-    if callable(own):
-        presets = own(architecture)
-        if presets:
-            return presets
+    presets = family.sampling_presets(architecture) if family is not None else None
+    if presets:
+        return presets
     return {"thinking": dict(QWEN_THINKING), "non_thinking": dict(QWEN_NON_THINKING)}
 
 

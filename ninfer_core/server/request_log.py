@@ -18,6 +18,7 @@ How it hooks in, without touching the protocols:
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import dataclasses
 import json
@@ -78,6 +79,8 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, argparse.Namespace):
+        return _jsonable(vars(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
     if isinstance(value, dict):
@@ -317,6 +320,8 @@ class _Tracker:
             rec["materialization"] = mat
         if ev.thinking:
             rec["thinking"] = ev.thinking
+        if getattr(ev, "speculative", None):
+            rec["speculative"] = ev.speculative
         if context.get("id_slot") is not None:
             rec["retained_slot"] = context["id_slot"]
         self.log.write("request_done", **rec)
@@ -473,6 +478,14 @@ def server_start_record(ctx: Any, engine: Any, argv: list[str] | None = None) ->
                            "prefill_chunk": opts.engine.prefill_chunk,
                            "decode_rounds_per_prefill": opts.engine.resolved_decode_rounds(),
                            "concurrent_prefill": opts.engine.concurrent_prefill}
+    spec = snap.get("speculative") or {}
+    eng["speculative"] = spec.get("backend")  # the backend's description (None: no --spec)
+    e = opts.engine
+    ngram = spec.get("ngram") or {}
+    eng.update(ngram_draft_window=ngram.get("draft_tokens", 0), ngram_min_match=e.ngram_min_match,
+               lookup_ngram=e.lookup_ngram, ngram_archive_bytes=ngram.get("archive_bytes", 0),
+               ngram_session_bytes=ngram.get("session_bytes", e.ngram_session_mib << 20),
+               ngram_native_sessions=False)
     cache = getattr(engine, "cache", None)
     cc = snap.get("context_cache")
     if cache is not None and isinstance(cc, dict):

@@ -8,6 +8,7 @@ thread loads the weights, starts the Engine and runs a warmup forward; then the 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -107,8 +108,9 @@ def _announce(host: str, port: int) -> str:
 class _Loader:
     """Loads the model behind a serving port: family.load, Engine start, warmup, then ready."""
 
-    def __init__(self, ctx: ServerContext, artifact: Any, family_reg: Any, template: Any):
+    def __init__(self, ctx: ServerContext, artifact: Any, family_reg: Any, template: Any, spec_reg: Any = None):
         self.ctx, self.artifact, self.family_reg, self.template = ctx, artifact, family_reg, template
+        self.spec_reg = spec_reg
         self.stopping = threading.Event()
         self.engine: Any = None
         self.throughput: Any = None  # request_log.ThroughputReporter with --request-log-jsonl
@@ -127,10 +129,12 @@ class _Loader:
             tokenizer = Tokenizer.from_section(self.artifact.tokenizer_section)
             target = self.family_reg.load()
             family = target() if isinstance(target, type) else target
-            runner = family.load(self.artifact, device=device)
-            if hasattr(runner, "configure"):  # runner options a family may support (--no-cuda-graph)
-                runner.configure(cuda_graph=opts.engine.cuda_graph)
-            engine = Engine(runner, tokenizer, replace(opts.engine, device=device))
+            runner = family.load(self.artifact, device=device, options=opts.plugin_options)
+            spec = None
+            if self.spec_reg is not None:  # the backend enables what it needs before the cache is sized
+                spec = self.spec_reg.load().load(runner, self.artifact, opts.plugin_options)
+                log.info("speculative backend %s: %s", self.spec_reg.name, spec.describe())
+            engine = Engine(runner, tokenizer, replace(opts.engine, device=device), spec=spec)
             engine.start()
             self.engine = engine
             if self.stopping.is_set():
@@ -144,6 +148,10 @@ class _Loader:
                 n_vocab=tokenizer.vocab_size, n_ctx_train=int(info.max_position), n_embd=int(info.hidden_size),
                 n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"])
             ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
+            if opts.engine.ngram_archive_mib:
+                from ninfer_core.server.draft_session import DraftSessionEngine
+
+                ctx.engine = DraftSessionEngine(engine)
             ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
             if self.template is not None and engine.cache is not None:
                 from ninfer_core.engine.turn_markers import template_turn_markers
@@ -163,7 +171,7 @@ class _Loader:
                 )
 
                 ctx.request_log.start(server_start_record(ctx, engine))
-                ctx.engine = LoggedEngine(engine, ctx.request_log)
+                ctx.engine = LoggedEngine(ctx.engine, ctx.request_log)
                 self.throughput = ThroughputReporter(ctx.request_log, engine)
                 self.throughput.start()
             ctx.mark_ready()
@@ -172,6 +180,10 @@ class _Loader:
             ctx.load_error = f"{type(e).__name__}: {e}"
             log.error("loading the model failed: %s", ctx.load_error)
             self.on_failure()
+
+
+def _spec_plugins(host: PluginHost) -> set[str]:
+    return {r.plugin for r in host.registry("spec_backend").values()}
 
 
 def _warmup(engine: Any, tokenizer: Any) -> None:
@@ -220,19 +232,30 @@ def _make_server(config: Any, on_exit):
     return Server(config)
 
 
-def run_serve(args) -> int:
+def run_serve(args, host: PluginHost | None = None) -> int:
+    """`ninfer serve`; `host` is the plugin host the command line was parsed with (cli.main)."""
     try:
         options = options_from_args(args)
     except ValueError as e:  # a refused option combination (e.g. --no-prefix-reuse with a capacity)
         return _fail(str(e))
     _setup_logging(options.log_level)
-    host = PluginHost(PluginSelection.from_sources(args.plugin))
+    host = host or PluginHost(PluginSelection.from_sources(args.plugin))
     try:
         host.load()
-        for kind in ("protocol", "model_family", "kv_dtype"):
+        for kind in ("protocol", "model_family", "kv_dtype", "spec_backend"):
             host.registry(kind)
+        options.plugin_options = argparse.Namespace(
+            **{o.dest: getattr(args, o.dest, o.kwargs.get("default")) for o in host.serve_options()})
+        spec_reg = host.resolve_spec_backend(options.spec) if options.spec else None
+        if spec_reg is not None:
+            spec_reg.load().check_options(options.plugin_options)
     except PluginError as e:
         return _fail(str(e))
+    except ValueError as e:  # a refused speculative option combination
+        return _fail(str(e))
+    if spec_reg is None and any(getattr(args, o.dest, None) not in (None, False, o.kwargs.get("default"))
+                                for o in host.serve_options() if o.plugin in _spec_plugins(host)):
+        return _fail("speculative-decoding options need a backend: add --spec NAME")
 
     from ninfer_core.artifact import Artifact, ArtifactError
 
@@ -312,7 +335,7 @@ def run_serve(args) -> int:
     config = uvicorn.Config(app, log_level="warning" if level == "info" else level,
                             access_log=level == "debug", lifespan="off", timeout_graceful_shutdown=5,
                             timeout_keep_alive=30)
-    loader = _Loader(ctx, artifact, family_reg, template)
+    loader = _Loader(ctx, artifact, family_reg, template, spec_reg)
     shutdown_done = threading.Event()
     shutdown_lock = threading.Lock()
 
