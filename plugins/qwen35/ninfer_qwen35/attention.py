@@ -86,10 +86,11 @@ class GatedAttention(nn.Module):
         k_cache[page_t, row_t] = k.to(k_cache.dtype)
         v_cache[page_t, row_t] = v.to(v_cache.dtype)
 
-        if ctx.is_decode:
-            attn = self._decode(q, k_cache, v_cache, ctx)
+        if ctx.all_stepwise:
+            attn = self._rows(q, k_cache, v_cache, ctx.segments, ps)
         else:
-            attn = torch.cat([self._prefill_segment(q, k_cache, v_cache, seg, ps) for seg in ctx.segments])
+            attn = torch.cat([self._rows(q, k_cache, v_cache, [seg], ps, seg.offset) if seg.stepwise
+                              else self._prefill_segment(q, k_cache, v_cache, seg, ps) for seg in ctx.segments])
         return self.finish(attn.to(x.dtype), gate)
 
     def _prefill_segment(self, q, k_cache, v_cache, seg, ps):
@@ -105,16 +106,29 @@ class GatedAttention(nn.Module):
         qs = q[seg.offset : seg.offset + seg.length]
         return grouped_attention(qs[None], keys[None], vals[None], mask[None], self.scale)[0]
 
-    def _decode(self, q, k_cache, v_cache, ctx):
-        """One query per lane over that lane's pages, lanes padded to the longest and masked."""
-        ps = ctx.cache.page_size
-        lengths = [seg.start + 1 for seg in ctx.segments]
-        max_pages = -(-max(lengths) // ps)
-        table = [seg.pages[: -(-ln // ps)] for seg, ln in zip(ctx.segments, lengths)]
-        table = torch.tensor([t + [t[0]] * (max_pages - len(t)) for t in table], device=q.device)
-        b = len(lengths)
-        keys = k_cache[table].reshape(b, max_pages * ps, self.kv_heads, self.head_dim)
-        vals = v_cache[table].reshape(b, max_pages * ps, self.kv_heads, self.head_dim)
-        lens = torch.tensor(lengths, device=q.device)
-        mask = (torch.arange(max_pages * ps, device=q.device)[None, :] < lens[:, None])[:, None, :]
-        return grouped_attention(q[:, None], keys, vals, mask, self.scale)[:, 0]
+    def _rows(self, q, k_cache, v_cache, segments, ps, offset: int = 0):
+        """Every token of decode / verify segments as its own query over its lane's pages, up to and
+        including its own position (the decode math; lanes padded to the longest and masked)."""
+        lengths, tables = [], []
+        for seg in segments:
+            for j in range(seg.length):
+                n = seg.start + j + 1
+                lengths.append(n)
+                tables.append(seg.pages[: -(-n // ps)])
+        rows = q[offset : offset + len(lengths)]
+        return paged_rows_attention(rows, k_cache, v_cache, tables, lengths, ps, self.scale)
+
+
+def paged_rows_attention(q, k_cache, v_cache, tables, lengths, ps: int, scale: float, key_start: int = 0):
+    """One query per row over the keys [key_start, length) of its page table (rows padded to the
+    longest and masked). q [N, H, d] -> [N, H, d]."""
+    max_pages = max(len(t) for t in tables)
+    table = torch.tensor([list(t) + [t[0]] * (max_pages - len(t)) for t in tables], device=q.device)
+    b = len(lengths)
+    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[table].reshape(b, max_pages * ps, kvh, hd)
+    vals = v_cache[table].reshape(b, max_pages * ps, kvh, hd)
+    lens = torch.tensor(lengths, device=q.device)
+    idx = torch.arange(max_pages * ps, device=q.device)[None, :]
+    mask = ((idx < lens[:, None]) & (idx >= key_start))[:, None, :]
+    return grouped_attention(q[:, None], keys, vals, mask, scale)[:, 0]

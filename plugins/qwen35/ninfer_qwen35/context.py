@@ -1,4 +1,4 @@
-"""The explicit forward context: which sequences a forward covers and where their caches live."""
+"""The explicit forward context: which lanes a forward covers and where their caches live."""
 
 from __future__ import annotations
 
@@ -6,31 +6,48 @@ from dataclasses import dataclass, field
 
 import torch
 
+ROWS_KINDS = ("decode", "verify")  # segments whose tokens run as separate queries, one step at a time
+
 
 @dataclass
 class Segment:
-    """One sequence's run of new tokens inside a flattened forward batch."""
+    """One lane's run of new tokens inside a flattened forward batch."""
 
     slot: int
     pages: list[int]
     start: int  # position of the first new token (= tokens already cached)
     length: int  # new tokens
     offset: int  # row of the first new token in the flattened batch
+    kind: str = "prefill"  # prefill (chunked math) | decode | verify (one recurrent step per token)
+
+    @property
+    def stepwise(self) -> bool:
+        return self.kind in ROWS_KINDS
 
 
 @dataclass
 class CacheTensors:
     """Per-layer cache storage, owned by the runner.
 
-    kv[layer] = (K, V), each [num_pages, page_size, kv_heads, head_dim] in the model dtype;
-    conv[layer] = [num_slots, conv_dim, kernel - 1] in the model dtype;
-    ssm[layer] = [num_slots, Hv, dk, dv] in fp32.
+    kv[layer] = (K, V), each [num_pages, page_size, kv_heads, head_dim] in the model dtype (draft
+    head layers are keyed past the model's layers); conv[layer] = [num_slots, conv_dim, kernel - 1]
+    in the model dtype; ssm[layer] = [num_slots, Hv, dk, dv] in fp32; hidden = [num_slots, hidden]
+    (the final hidden of each lane's last position, kept while a draft head is enabled) or None.
     """
 
     page_size: int
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     ssm: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-slot tensor by its StateImage name."""
+        out = {f"conv.{i}": t for i, t in self.conv.items()}
+        out.update({f"ssm.{i}": t for i, t in self.ssm.items()})
+        if self.hidden is not None:
+            out["hidden"] = self.hidden
+        return out
 
 
 @dataclass
@@ -40,11 +57,19 @@ class ForwardContext:
     cache: CacheTensors
     cos: torch.Tensor | None = None  # [N, rotary_dim]
     sin: torch.Tensor | None = None
+    # verify segments: {slot: {layer: (conv states [T, ...], ssm states [T, ...])}}, the state after
+    # each of the segment's tokens, so `commit` can keep any prefix
+    verify_states: dict = field(default_factory=dict)
+    layer_outputs: dict = field(default_factory=dict)  # {layer: [N, hidden]} asked for by the caller
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence contributes exactly one token (the batched single-step paths apply)."""
+        """Every lane contributes exactly one token (the batched single-step paths apply)."""
         return all(s.length == 1 for s in self.segments)
+
+    @property
+    def all_stepwise(self) -> bool:
+        return all(s.stepwise for s in self.segments)
 
     @property
     def slots(self) -> list[int]:

@@ -50,7 +50,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 class Qwen35Family(ModelFamily):
     name = "qwen35"
 
-    def load(self, artifact, device: str = "cpu", dtype: str | None = None) -> Qwen35Runner:
+    def load(self, artifact, device: str = "cpu", dtype: str | None = None, options=None) -> Qwen35Runner:
         dev = torch.device(device)
         run_dtype = resolve_dtype(dtype, dev)
         cfg = Qwen35Config.from_hf(artifact.config, getattr(artifact, "architecture", None))

@@ -142,6 +142,27 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.float())
         return q, k, v
 
+    def _steps(self, seg, mixed, g, beta, conv_all, ssm_all, weight, ctx: ForwardContext) -> torch.Tensor:
+        """A decode or verify segment: one recurrent step per token (the decode math), from the
+        slot's state. A verify segment also records the state after every token, so `commit` can
+        keep any prefix (GDN state cannot be truncated)."""
+        conv_s, ssm_s = conv_all[seg.slot][None], ssm_all[seg.slot][None]
+        outs, conv_hist, ssm_hist = [], [], []
+        for j in range(seg.length):
+            conv_out, conv_s = causal_conv_step(mixed[j : j + 1], conv_s, weight)
+            conv_s = conv_s.to(conv_all.dtype)
+            q, k, v = self._qkv_heads(conv_out)
+            o, ssm_s = recurrent_gated_delta_step(q, k, v, g[j : j + 1], beta[j : j + 1], ssm_s)
+            outs.append(o)
+            if seg.kind == "verify":
+                conv_hist.append(conv_s[0].clone())
+                ssm_hist.append(ssm_s[0].clone())
+        conv_all[seg.slot] = conv_s[0]
+        ssm_all[seg.slot] = ssm_s[0]
+        if seg.kind == "verify":
+            ctx.verify_states.setdefault(seg.slot, {})[self.layer_idx] = (torch.stack(conv_hist), torch.stack(ssm_hist))
+        return torch.cat(outs)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [N, hidden] for the flattened batch; reads and advances each segment's slot state."""
         conv_all = ctx.cache.conv[self.layer_idx]
@@ -152,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x)).float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
 
-        if ctx.is_decode:
+        if ctx.is_decode and all(s.kind == "decode" for s in ctx.segments):
             slots = torch.tensor(ctx.slots, device=x.device)
             conv_out, new_conv = causal_conv_step(mixed, conv_all[slots], weight)
             conv_all[slots] = new_conv.to(conv_all.dtype)
@@ -163,6 +184,9 @@ class GatedDeltaNet(nn.Module):
             outs = []
             for seg in ctx.segments:
                 rows = slice(seg.offset, seg.offset + seg.length)
+                if seg.stepwise:
+                    outs.append(self._steps(seg, mixed[rows], g[rows], beta[rows], conv_all, ssm_all, weight, ctx))
+                    continue
                 conv_out, new_conv = causal_conv_prefill(mixed[rows].t(), conv_all[seg.slot], weight)
                 conv_all[seg.slot] = new_conv.to(conv_all.dtype)
                 q, k, v = self._qkv_heads(conv_out.t())

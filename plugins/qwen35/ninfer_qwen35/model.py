@@ -53,12 +53,18 @@ class Qwen35TextModel(nn.Module):
     def init_rotary(self, device) -> None:
         self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope, device=device)
 
-    def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """tokens [N] -> final-normed hidden states [N, hidden] (the input of lm_head)."""
-        x = self.embed_tokens(tokens)
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext, collect: tuple[int, ...] = (),
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [N] -> final-normed hidden states [N, hidden] (the input of lm_head).
+
+        `collect`: layer indices whose output (the residual stream after the layer) is stored in
+        `ctx.layer_outputs`; `embeds` replaces the token embeddings (media spliced in)."""
+        x = self.embed_tokens(tokens) if embeds is None else embeds
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, ctx)
+            if i in collect:
+                ctx.layer_outputs[i] = x
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Qwen35Runner: the ModelRunner of the Qwen3.5 family (cache ownership, prefill, batched decode)."""
+"""Qwen35Runner: the ModelRunner of the Qwen3.5 family (reference path: cache ownership, the forward
+contract over prefill / decode / verify segments, commit, the MTP draft head)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,28 @@ from collections.abc import Sequence
 import torch
 
 from ninfer_core.engine.model_api import (
+    FINAL_HIDDEN,
+    LOGITS_ALL,
+    LOGITS_LAST,
     PAGE_SIZE,
+    PREFILL,
+    VERIFY,
     CacheSpec,
+    ForwardBatch,
     KVGroup,
+    LaneSegment,
     ModelInfo,
     ModelRunner,
-    SeqView,
+    SegmentOutput,
     StateImage,
+    check_batch,
 )
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.context import CacheTensors, ForwardContext, Segment
 from ninfer_qwen35.model import Qwen35TextModel
 from ninfer_qwen35.mtp import MtpHead
+
+ATTN_GROUP = "full_attention"
 
 
 class Qwen35Runner(ModelRunner):
@@ -34,6 +45,9 @@ class Qwen35Runner(ModelRunner):
         self.model, self.cfg, self.device, self.dtype, self.mtp = model, cfg, device, dtype, mtp
         self.cache: CacheTensors | None = None
         self.num_pages = self.num_slots = 0
+        self.draft = None  # the enabled MtpDraftHead, or None
+        # verify segments of the last forward not committed yet: {slot: (layer states, final hidden [T, H])}
+        self._uncommitted: dict[int, tuple[dict, torch.Tensor]] = {}
         n_params = sum(p.numel() for p in model.parameters())
         self.info = ModelInfo(
             architecture=cfg.architecture,
@@ -51,53 +65,58 @@ class Qwen35Runner(ModelRunner):
         )
 
     # ---- cache geometry ---------------------------------------------------------------------
+    @property
+    def _elem(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
     def cache_spec(self) -> CacheSpec:
-        cfg = self.cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        cfg, elem = self.cfg, self._elem
         attn_layers = cfg.full_attention_layers
         kv_bytes = 2 * len(attn_layers) * cfg.num_key_value_heads * cfg.head_dim * elem
         conv = cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
         ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        groups = ()
+        groups = []
         if attn_layers:
-            groups = (
-                KVGroup(
-                    name="full_attention",
-                    layers=attn_layers,
-                    kv_heads=cfg.num_key_value_heads,
-                    head_dim=cfg.head_dim,
-                    bytes_per_token=kv_bytes,
-                ),
-            )
-        gdn_layers = cfg.linear_attention_layers
-        return CacheSpec(
-            kv_groups=groups, state_bytes=len(gdn_layers) * (conv + ssm), state_layers=gdn_layers
-        )
+            groups.append(KVGroup(name=ATTN_GROUP, layers=attn_layers, kv_heads=cfg.num_key_value_heads,
+                                  head_dim=cfg.head_dim, bytes_per_token=kv_bytes))
+        state = len(cfg.linear_attention_layers) * (conv + ssm)
+        if self.draft is not None:
+            groups.append(self.draft.kv_group_spec(elem))
+            state += cfg.hidden_size * elem
+        return CacheSpec(kv_groups=tuple(groups), state_bytes=state, state_layers=cfg.linear_attention_layers)
 
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         cfg, dev = self.cfg, self.device
         cache = CacheTensors(page_size=page_size)
-        for i in cfg.full_attention_layers:
+        kv_layers = list(cfg.full_attention_layers) + list(self.draft.layer_ids if self.draft else ())
+        for i in kv_layers:
             shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-            cache.kv[i] = (
-                torch.zeros(shape, dtype=self.dtype, device=dev),
-                torch.zeros(shape, dtype=self.dtype, device=dev),
-            )
+            cache.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=dev),
+                           torch.zeros(shape, dtype=self.dtype, device=dev))
         for i in cfg.linear_attention_layers:
             conv_shape, ssm_shape = self.model.layers[i].linear_attn.state_shapes()
             cache.conv[i] = torch.zeros((num_slots, *conv_shape), dtype=self.dtype, device=dev)
             cache.ssm[i] = torch.zeros((num_slots, *ssm_shape), dtype=torch.float32, device=dev)
+        if self.draft is not None:
+            cache.hidden = torch.zeros((num_slots, cfg.hidden_size), dtype=self.dtype, device=dev)
         self.cache, self.num_pages, self.num_slots = cache, num_pages, num_slots
+        self._uncommitted = {}
+
+    def free_cache(self) -> None:
+        """Drop the cache tensors (before a re-allocation, or to enable a draft head)."""
+        self.cache = None
+        self._uncommitted = {}
 
     def reset_slot(self, slot: int) -> None:
         self._check_slot(slot)
-        for t in (*self.cache.conv.values(), *self.cache.ssm.values()):
+        self._uncommitted.pop(slot, None)
+        for t in self.cache.slot_tensors().values():
             t[slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._check_slot(src)
         self._check_slot(dst)
-        for t in (*self.cache.conv.values(), *self.cache.ssm.values()):
+        for t in self.cache.slot_tensors().values():
             t[dst].copy_(t[src])
 
     # ---- context cache: checkpoints' KV pages and StateImages ---------------------------------
@@ -125,21 +144,21 @@ class Qwen35Runner(ModelRunner):
 
     def capture_state(self, slot: int) -> StateImage:
         self._check_slot(slot)
-        tensors = {f"conv.{i}": t[slot] for i, t in self.cache.conv.items()}
-        tensors.update({f"ssm.{i}": t[slot] for i, t in self.cache.ssm.items()})
-        return StateImage(self._to_host(tensors))
+        return StateImage(self._to_host({name: t[slot] for name, t in self.cache.slot_tensors().items()}))
 
     def restore_state(self, image: StateImage, slot: int) -> None:
         self._check_slot(slot)
         pairs = []
-        for kind, store in (("conv", self.cache.conv), ("ssm", self.cache.ssm)):
-            for i, t in store.items():
-                src = image.tensors.get(f"{kind}.{i}")
-                if src is None or tuple(src.shape) != tuple(t[slot].shape) or src.dtype != t.dtype:
-                    raise ValueError(f"StateImage does not fit this model's {kind} state of layer {i}")
-                pairs.append((t[slot], src))
+        for name, t in self.cache.slot_tensors().items():
+            src = image.tensors.get(name)
+            if src is None or tuple(src.shape) != tuple(t[slot].shape) or src.dtype != t.dtype:
+                raise ValueError(f"StateImage does not fit this model's state {name!r}")
+            pairs.append((t[slot], src))
+        if set(image.tensors) - set(self.cache.slot_tensors()):
+            raise ValueError("StateImage holds state this model does not keep (another speculative setup?)")
         for dst, src in pairs:  # pinned sources copy asynchronously, in stream order with the forward
             dst.copy_(src, non_blocking=True)
+        self._uncommitted.pop(slot, None)
 
     def read_pages(self, pages):
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
@@ -151,72 +170,177 @@ class Qwen35Runner(ModelRunner):
 
     def write_pages(self, pages, data) -> None:
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        names = {f"{kv}.{i}" for i in self.cache.kv for kv in "kv"}
+        if set(data) != names:
+            raise ValueError("KV data does not fit this model's pages (another model or speculative setup)")
         for i, (k, v) in self.cache.kv.items():
             for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
-                src = data.get(name)
-                if src is None or tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
+                src = data[name]
+                if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
                     raise ValueError(f"KV data does not fit this model's pages ({name})")
                 dst.index_copy_(0, idx, src.to(dst.device, dst.dtype, non_blocking=True))
 
+    # ---- draft heads ------------------------------------------------------------------------
+    def draft_heads(self) -> tuple[str, ...]:
+        return ("mtp",) if self.mtp is not None else ()
+
+    def enable_draft_head(self, name: str):
+        if name != "mtp" or self.mtp is None:
+            raise ValueError(f"this artifact has no draft head {name!r} (its heads: {list(self.draft_heads()) or 'none'})")
+        if self.draft is None:
+            if self.cache is not None:
+                raise RuntimeError("enable the draft head before allocate_cache")
+            from ninfer_qwen35.draft import MtpDraftHead
+
+            self.draft = MtpDraftHead(self)
+        return self.draft
+
     # ---- forwards ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, seq: SeqView, tokens: Sequence[int], all_logits: bool = False):
-        if len(tokens) == 0:
-            raise ValueError("prefill needs at least one token")
-        seg = self._segment(seq, len(tokens), offset=0)
-        hidden = self._forward([seg], list(tokens))
-        return self.model.logits(hidden if all_logits else hidden[-1])
+    def _groups(self) -> tuple[str, ...]:
+        return self.cache_spec().group_names
+
+    def _check(self, batch: ForwardBatch) -> None:
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must be called before a forward")
+        check_batch(batch, self.cfg.vocab_size, self.num_slots, self.num_pages, self._groups(), self.cache.page_size)
+        pending = [s.slot for s in batch.segments if s.slot in self._uncommitted]
+        if pending:
+            raise RuntimeError(f"state slots {pending} have an uncommitted verify (call commit first)")
 
     @torch.inference_mode()
-    def decode(self, seqs: Sequence[SeqView], tokens: Sequence[int]):
-        if len(seqs) != len(tokens) or not seqs:
-            raise ValueError(
-                f"decode needs one token per sequence (got {len(seqs)} sequences, {len(tokens)} tokens)"
-            )
-        segs = [self._segment(s, 1, offset=i) for i, s in enumerate(seqs)]
-        if len({s.slot for s in segs}) != len(segs):
-            raise ValueError("decode batch holds the same state slot twice")
-        return self.model.logits(self._forward(segs, list(tokens)))
+    def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
+        self._check(batch)
+        if any(s.snapshot is not None for s in batch.segments):
+            return [self._forward_snapshot(s) if s.snapshot is not None else self._forward([s])[0]
+                    for s in batch.segments]
+        return self._forward(batch.segments)
 
-    @torch.inference_mode()
-    def forward_hidden(self, seqs: Sequence[SeqView], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Varlen forward (e.g. verify k+1 tokens per lane): final hidden states [sum(T), H].
+    def _forward_snapshot(self, seg: LaneSegment) -> SegmentOutput:
+        """A chunk with a checkpoint inside it: two forwards around a slot copy."""
+        at, snap = seg.snapshot
+        first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL,
+                            LOGITS_ALL if seg.logits == LOGITS_ALL else "none", seg.hidden)
+        rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL, seg.logits,
+                           seg.hidden)
+        a = self._forward([first])[0]
+        self.copy_slot(seg.slot, snap)
+        b = self._forward([rest])[0]
+        logits = torch.cat([a.logits, b.logits]) if seg.logits == LOGITS_ALL else b.logits
+        return SegmentOutput(logits, {k: torch.cat([a.hidden[k], b.hidden[k]]) for k in b.hidden})
 
-        Advances KV and state like prefill; callers turn rows into logits with `logits()`.
-        """
-        segs, off = [], 0
-        for s, toks in zip(seqs, tokens):
-            segs.append(self._segment(s, len(toks), offset=off))
-            off += len(toks)
-        return self._forward(segs, [t for toks in tokens for t in toks])
+    def _segments(self, segments: Sequence[LaneSegment]) -> list[Segment]:
+        out, off = [], 0
+        for s in segments:
+            pages = list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values())))
+            out.append(Segment(slot=s.slot, pages=pages, start=s.start, length=len(s.tokens), offset=off, kind=s.kind))
+            off += len(s.tokens)
+        return out
+
+    def _embeds(self, segments: Sequence[LaneSegment], ids: torch.Tensor) -> torch.Tensor | None:
+        if not any(s.side is not None and s.side.embeddings for s in segments):
+            return None
+        x = self.model.embed_tokens(ids).clone()
+        off = 0
+        for s in segments:
+            for row, emb in (s.side.embeddings if s.side is not None else ()):
+                if not (0 <= row and row + emb.shape[0] <= len(s.tokens)):
+                    raise ValueError(f"side embeddings at rows {row}..{row + emb.shape[0]} outside the segment")
+                x[off + row: off + row + emb.shape[0]] = emb.to(x.dtype)
+            off += len(s.tokens)
+        return x
+
+    def _positions(self, segments: Sequence[LaneSegment], default: torch.Tensor) -> torch.Tensor:
+        if not any(s.side is not None and s.side.positions is not None for s in segments):
+            return default
+        parts, off = [], 0
+        for s in segments:
+            n = len(s.tokens)
+            p = s.side.positions if s.side is not None else None
+            if p is None:
+                parts.append(default[off: off + n])
+            else:
+                p = torch.as_tensor(p, dtype=torch.int64, device=self.device)
+                if p.dim() == 2:  # mRoPE [3, T]: text positions are equal on the three axes
+                    if not bool((p == p[:1]).all()):
+                        raise NotImplementedError("multimodal (3-axis) mRoPE positions need the vision tower")
+                    p = p[0]
+                if p.shape != (n,):
+                    raise ValueError(f"side positions of shape {tuple(p.shape)} for a segment of {n} tokens")
+                parts.append(p)
+            off += n
+        return torch.cat(parts)
+
+    def _forward(self, segments: Sequence[LaneSegment]) -> list[SegmentOutput]:
+        segs = self._segments(segments)
+        tokens = [int(t) for s in segments for t in s.tokens]
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        ctx = ForwardContext.build(segs, self.cache, self.device)
+        ctx.positions = self._positions(segments, ctx.positions)
+        collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN}))
+        hidden = self.model(ids, ctx, collect, self._embeds(segments, ids))
+        if self.draft is not None:
+            self._ride_along(segs, segments, ids, hidden, ctx.positions)
+        outs = []
+        for seg, s in zip(segs, segments):
+            rows = hidden[seg.offset: seg.offset + seg.length]
+            if s.kind == VERIFY:
+                self._uncommitted[s.slot] = (ctx.verify_states.get(s.slot, {}), rows)
+            elif self.cache.hidden is not None:
+                self.cache.hidden[s.slot] = rows[-1]
+            logits = None
+            if s.logits == LOGITS_ALL:
+                logits = self.model.logits(rows)
+            elif s.logits == LOGITS_LAST:
+                logits = self.model.logits(rows[-1])
+            got = {layer: ctx.layer_outputs[layer][seg.offset: seg.offset + seg.length]
+                   for layer in s.hidden if layer != FINAL_HIDDEN}
+            if FINAL_HIDDEN in s.hidden:
+                got[FINAL_HIDDEN] = rows
+            outs.append(SegmentOutput(logits, got))
+        return outs
+
+    def _ride_along(self, segs: list[Segment], segments, ids: torch.Tensor, hidden: torch.Tensor,
+                    positions) -> None:
+        """The draft head's K/V rows of every position this forward ran (position 0 has none)."""
+        ps = self.cache.page_size
+        keep, prev, pages, tables = [], [], [], []
+        for seg, s in zip(segs, segments):
+            table = list(s.tables.get(self.draft.kv_group) or seg.pages)
+            for j in range(seg.length):
+                p = seg.start + j
+                if p == 0:
+                    continue
+                keep.append(seg.offset + j)
+                prev.append(self.cache.hidden[seg.slot] if j == 0 else hidden[seg.offset + j - 1])
+                pages.append(table[p // ps])
+                tables.append(table[: p // ps + 1])
+        if not keep:
+            return
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        pos = positions[idx]
+        page_t = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.draft.write_rows(pos, ids[idx], torch.stack(prev), page_t, pos % ps, tables)
+
+    def commit(self, kept: Sequence[tuple[int, int]]) -> None:
+        for slot, n in kept:
+            got = self._uncommitted.pop(slot, None)
+            if got is None:
+                raise RuntimeError(f"state slot {slot} has no verify to commit")
+            states, rows = got
+            if not 1 <= n <= rows.shape[0]:
+                raise ValueError(f"commit of {n} tokens of a verify of {rows.shape[0]}")
+            for layer, (conv_hist, ssm_hist) in states.items():
+                self.cache.conv[layer][slot] = conv_hist[n - 1]
+                self.cache.ssm[layer][slot] = ssm_hist[n - 1]
+            if self.cache.hidden is not None:
+                self.cache.hidden[slot] = rows[n - 1]
+
+    def embed(self, token_ids) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device)
+        return self.model.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
-
-    def _forward(self, segs: list[Segment], tokens: list[int]) -> torch.Tensor:
-        if self.cache is None:
-            raise RuntimeError("allocate_cache() must be called before a forward")
-        for t in tokens:
-            if not 0 <= t < self.cfg.vocab_size:
-                raise ValueError(f"token id {t} outside the vocabulary (size {self.cfg.vocab_size})")
-        ctx = ForwardContext.build(segs, self.cache, self.device)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        return self.model(ids, ctx)
-
-    def _segment(self, seq: SeqView, n_new: int, offset: int) -> Segment:
-        self._check_slot(seq.slot)
-        ps = self.cache.page_size
-        need = -(-(seq.num_cached + n_new) // ps)
-        if len(seq.pages) < need:
-            raise ValueError(
-                f"sequence needs {need} pages for {seq.num_cached + n_new} positions, has {len(seq.pages)}"
-            )
-        bad = [p for p in seq.pages[:need] if not 0 <= p < self.num_pages]
-        if bad:
-            raise ValueError(f"page ids {bad} outside the pool of {self.num_pages} pages")
-        return Segment(
-            slot=seq.slot, pages=list(seq.pages), start=seq.num_cached, length=n_new, offset=offset
-        )
 
     def _check_slot(self, slot: int) -> None:
         if self.cache is None:
@@ -224,7 +348,7 @@ class Qwen35Runner(ModelRunner):
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"state slot {slot} outside 0..{self.num_slots - 1}")
 
-    # ---- MTP head (reference; used by the MTP speculative backend later) ---------------------
+    # ---- MTP head (reference over plain per-layer tensors; tests and ninfer-tiny's evaluation) ----
     @torch.inference_mode()
     def mtp_forward(self, next_tokens: Sequence[int], target_hidden: torch.Tensor, start: int, past=None):
         """Run the MTP head for one sequence: fp32 logits [T, vocab], normed hidden, KV list.

@@ -448,3 +448,123 @@ def runner_interpret_moe():
         err = rel(outs[1], outs[0])
         print(f"MoE runner with interpreted kernels vs reference: {err:.2e}")
         assert err < 1e-4, err
+
+
+def decode_attention_key_start(device="cpu", heads=8, kvh=2, d=64, lens=(2, 70, 200, 65), page=64, tol=2e-2):
+    """The draft head's attention: keys from position 1 (its row 0 holds nothing)."""
+    gen = torch.Generator(device=device).manual_seed(11)
+    width = -(-max(lens) // page) + 1
+    num_pages = len(lens) * width + 3
+    kc, vc = _pool(num_pages, page, kvh, d, device, gen)
+    kc[:, 0] = 1e4  # a poisoned row 0: any weight on it shows
+    table = torch.arange(len(lens) * width, dtype=torch.int32, device=device).view(len(lens), width)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), heads, d, generator=gen, device=device).to(act_dtype(device))
+    ref = K.ref_paged_decode_attention(q, kc, vc, table, seq_lens, d**-0.5, key_start=1)
+    for pps in (None, 1):
+        out = K.paged_decode_attention(q, kc, vc, table, seq_lens, d**-0.5, pages_per_split=pps, key_start=1)
+        err = rel(out, ref)
+        print(f"decode attention key_start=1 pps={pps}: rel err {err:.2e}")
+        assert err < tol, err
+
+
+def verify_kernels(device="cpu", hk=2, hv=4, dk=32, dv=64, lanes=3, t=5, tol=1e-4):
+    """conv_verify / conv_commit and gdn_verify / gdn_commit (both commit modes) against their
+    references, and against the decode kernels run token by token (the commit must leave exactly
+    the state decoding the kept rows would)."""
+    from ninfer_qwen35.gpu import verify_kernels as VK
+
+    gen = torch.Generator(device=device).manual_seed(12)
+    dt = act_dtype(device)
+    conv = 2 * hk * dk + hv * dv
+    slots_n = 2 * lanes
+    slots = torch.tensor([(5 * i + 4) % slots_n for i in range(lanes)], dtype=torch.int64, device=device)
+    x = torch.randn(lanes * t, conv, generator=gen, device=device).to(dt)
+    w = (torch.randn(conv, 4, generator=gen, device=device) * 0.5).to(dt)
+    conv_state = torch.randn(slots_n, conv, 3, generator=gen, device=device).to(dt)
+    ref = VK.ref_conv_verify(x.float(), conv_state.float(), w.float(), slots, t)
+    out = VK.conv_verify(x, conv_state, w, slots, t)
+    e = rel(out, ref)
+    print(f"conv verify: rel err {e:.2e}")
+    assert e < 2e-2
+    kept = torch.tensor([[1, 5, 3][i % 3] if t >= 5 else 1 + i % t for i in range(lanes)], dtype=torch.int64,
+                        device=device)
+    want = conv_state.clone()
+    VK.ref_conv_commit(x, want, slots, kept, t)
+    got = conv_state.clone()
+    VK.conv_commit(x, got, slots, kept, t)
+    assert torch.equal(got, want), "conv commit differs"
+    # the recurrence: verify outputs, then both commits against token-by-token decode steps
+    mixed = torch.randn(lanes * t, conv, generator=gen, device=device)
+    a_raw = torch.randn(lanes * t, hv, generator=gen, device=device)
+    b_raw = torch.randn(lanes * t, hv, generator=gen, device=device)
+    A_log = torch.rand(hv, generator=gen, device=device) * 2
+    dt_bias = torch.randn(hv, generator=gen, device=device)
+    state = torch.randn(slots_n, hv, dk, dv, generator=gen, device=device)
+    before = state.clone()
+    ref_out = VK.ref_gdn_verify(mixed, a_raw, b_raw, A_log, dt_bias, state.clone(), slots, t, hk, dk, dv, dk**-0.5)
+    pos = torch.full((lanes, t, hv, dk, dv), float("nan"), device=device)
+    out = VK.gdn_verify(mixed, a_raw, b_raw, A_log, dt_bias, state, slots, t, hk, dk, dv, dk**-0.5, positions=pos)
+    assert torch.equal(state, before), "verify wrote the state"
+    e = rel(out, ref_out)
+    print(f"gdn verify: rel err {e:.2e}")
+    assert e < tol
+    steps = before.clone()
+    rows = torch.arange(lanes, device=device) * t
+    for j in range(t):
+        live = (kept > j).nonzero().flatten()
+        if live.numel():
+            K.ref_gdn_decode(mixed[rows[live] + j], a_raw[rows[live] + j], b_raw[rows[live] + j], A_log, dt_bias,
+                             steps, slots[live], hk, dk, dv, dk**-0.5)
+    recompute = before.clone()
+    VK.gdn_commit(mixed, a_raw, b_raw, A_log, dt_bias, recompute, slots, kept, t, hk, dk, dv, dk**-0.5)
+    copied = before.clone()
+    VK.positions_commit(copied, pos, slots, kept)
+    e1, e2 = rel(recompute, steps), rel(copied, steps)
+    print(f"gdn commit: recompute rel err {e1:.2e}, positions rel err {e2:.2e}")
+    assert e1 < tol and e2 < tol
+
+
+def runner_interpret_verify():
+    """The GPU runner's verify forward and commit with interpreted kernels (and its MTP head)
+    against the reference runner, on a mixed batch of three lanes of 3, 1 and 5 tokens."""
+    import tempfile
+
+    from ninfer_qwen35.family import Qwen35Family
+    from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+    from ninfer_qwen35.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import DraftStep, ForwardBatch, LaneSegment, SeqView
+
+    with tempfile.TemporaryDirectory() as d:
+        art = Artifact.open(build_tiny_artifact(f"{d}/t.ninfer", kind="dense", seed=5, num_layers=4))
+        outs = []
+        for fast in (False, True):
+            r = Qwen35Family().load(art)
+            if fast:
+                r = GpuQwen35Runner.from_runner(r)
+            r.enable_draft_head("mtp")
+            r.allocate_cache(16, 4)
+            g = torch.Generator().manual_seed(3)
+            lanes = [SeqView(0, [5, 2], 0), SeqView(2, [7, 1], 0), SeqView(3, [3, 9], 0)]
+            rows = []
+            for v, n in zip(lanes, (70, 20, 64)):
+                rows.append(r.prefill(v, torch.randint(0, 500, (n,), generator=g).tolist(), all_logits=True))
+                v.num_cached = n
+            toks = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 1, 5)]
+            segs = [LaneSegment(v.slot, {gr: v.pages for gr in r.cache_spec().group_names}, v.num_cached, t,
+                                "verify", "all") for v, t in zip(lanes, toks)]
+            rows += [o.logits for o in r.forward(ForwardBatch(segs))]
+            r.commit([(0, 2), (2, 1), (3, 5)])
+            for v, k in zip(lanes, (2, 1, 5)):
+                v.num_cached += k
+            rows.append(r.decode(lanes, [11, 12, 13]))
+            for v in lanes:
+                v.num_cached += 1
+            h = r.draft.step([DraftStep(v.slot, v.num_cached, 7, v.pages) for v in lanes])
+            rows.append(r.logits(h))
+            outs.append(torch.cat(rows))
+        err = rel(outs[1], outs[0])
+        print(f"runner verify/commit with interpreted kernels vs reference: {err:.2e}")
+        assert err < 1e-4, err

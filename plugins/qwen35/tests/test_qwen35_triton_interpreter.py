@@ -54,3 +54,15 @@ def test_conv_update_and_qk_norm_rope_kernels_match_reference():
 
 def test_attention_decode_fused_kv_write_and_gate_match_chain_and_reference():
     _run("attn_decode_fused")
+
+
+def test_decode_attention_from_key_one_matches_reference():
+    _run("decode_attention_key_start")
+
+
+def test_verify_and_commit_kernels_match_reference_and_decode_steps():
+    _run("verify_kernels")
+
+
+def test_gpu_runner_verify_commit_and_draft_head_with_interpreted_kernels():
+    _run("runner_interpret_verify")

@@ -40,9 +40,10 @@ def use_triton(t: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------------
 # torch references
 # ------------------------------------------------------------------------------------------------
-def ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
+def ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, key_start: int = 0):
     """q [B, H, D]; caches [P, page, KVH, D]; block_table [B, W] int; seq_lens [B] (keys per lane,
-    the new token included). Returns [B, H, D] in q's dtype (fp32 softmax)."""
+    the new token included); keys before `key_start` are skipped (a draft head has no key at
+    position 0). Returns [B, H, D] in q's dtype (fp32 softmax)."""
     b, h, d = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
@@ -50,8 +51,8 @@ def ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale
     for i in range(b):
         n = int(seq_lens[i])
         pages = block_table[i, : -(-n // page)].long()
-        k = k_cache[pages].reshape(-1, kvh, d)[:n].float()  # [n, KVH, D]
-        v = v_cache[pages].reshape(-1, kvh, d)[:n].float()
+        k = k_cache[pages].reshape(-1, kvh, d)[key_start:n].float()  # [n, KVH, D]
+        v = v_cache[pages].reshape(-1, kvh, d)[key_start:n].float()
         qi = q[i].float().reshape(kvh, g, d)
         s = torch.einsum("kgd,nkd->kgn", qi, k) * scale
         p = torch.softmax(s, dim=-1)
@@ -112,6 +113,7 @@ if HAVE_TRITON:
         Q, K, V, BT, LENS, O_PART, LSE_PART, scale,
         s_qb, s_qh, s_kp, s_kr, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPS: tl.constexpr,
+        KSTART: tl.constexpr = 0,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -135,8 +137,10 @@ if HAVE_TRITON:
             k = tl.load(K + off)
             s = tl.dot(q, tl.trans(k)) * scale
             pos = p * PAGE + offs_r
-            s = tl.where(pos[None, :] < seq_len, s, float("-inf"))
+            s = tl.where((pos[None, :] < seq_len) & (pos[None, :] >= KSTART), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
+            if KSTART > 0:  # a page whose every key is skipped keeps m at -inf
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_new)
             pr = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(pr, 1)
@@ -274,6 +278,26 @@ def ref_gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot: 
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def gdn_token_step(row, a_ptr, b_ptr, s, neg_a, dtb, hk, hv, offs_k, offs_v, scale, eps,
+                       HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+        """One gated delta step of a (value head, value slice) program on the state tile `s`
+        [DK, BV] (fp32): the token's q/k/v from its conv-output row, the gate and beta from its raw
+        a/b. Returns (new state, normalised q) -- the short-chunk and verify kernels' shared body."""
+        q = tl.load(row + hk * DK + offs_k).to(tl.float32)
+        k = tl.load(row + HK * DK + hk * DK + offs_k).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + hv * DV + offs_v).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+        x = tl.load(a_ptr).to(tl.float32) + dtb
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        beta = tl.sigmoid(tl.load(b_ptr).to(tl.float32))
+        s = s * tl.exp(neg_a * softplus)
+        kv = tl.sum(s * k[:, None], 0)
+        u = beta * (v - kv)
+        s = s + k[:, None] * u[None, :]
+        return s, q
+
     @triton.jit(do_not_specialize=["T", "slot"])
     def _gdn_prefill_recurrent_kernel(
         MIXED, A_RAW, B_RAW, A_LOG, DT_BIAS, STATE, OUT, T, slot, scale, eps,
@@ -294,18 +318,7 @@ if HAVE_TRITON:
         b_ptr = B_RAW + hv
         o_ptr = OUT + hv * s_oh + offs_v
         for _t in range(T):  # pointers advance one token per step
-            q = tl.load(row + hk * DK + offs_k).to(tl.float32)
-            k = tl.load(row + HK * DK + hk * DK + offs_k).to(tl.float32)
-            v = tl.load(row + 2 * HK * DK + hv * DV + offs_v).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
-            k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-            x = tl.load(a_ptr).to(tl.float32) + dtb
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-            beta = tl.sigmoid(tl.load(b_ptr).to(tl.float32))
-            s = s * tl.exp(neg_a * softplus)
-            kv = tl.sum(s * k[:, None], 0)
-            u = beta * (v - kv)
-            s = s + k[:, None] * u[None, :]
+            s, q = gdn_token_step(row, a_ptr, b_ptr, s, neg_a, dtb, hk, hv, offs_k, offs_v, scale, eps, HK, DK, DV)
             o = tl.sum(s * q[:, None], 0)
             tl.store(o_ptr, o.to(OUT.dtype.element_ty))
             row += s_mt
@@ -344,7 +357,7 @@ def decode_split_pages(table_width: int) -> int:
     return max(4, -(-table_width // 64))
 
 
-def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None):
+def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None, key_start: int = 0):
     """The split (flash-decoding) pass of paged decode attention: per lane, head and split of the
     pages, the partial output and its log-sum-exp -> (o_part [B, H, S, D] fp32, lse [B, H, S], S)."""
     b, h, d = q.shape
@@ -361,19 +374,21 @@ def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps, KSTART=key_start,
         num_warps=4,
     )
     return o_part, lse, splits
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None):
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None,
+                           key_start: int = 0):
     """See ref_paged_decode_attention. block_table int32 [B, W]; seq_lens int32 [B] on q's device.
     Launch shapes depend only on B and W, so the call is CUDA-graph safe."""
     if not use_triton(q):
-        return ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+        return ref_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, key_start)
     b, h, d = q.shape
-    o_part, lse, splits = _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split)
+    o_part, lse, splits = _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split,
+                                         key_start)
     out = torch.empty_like(q)
     _decode_combine_kernel[(b, h)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),

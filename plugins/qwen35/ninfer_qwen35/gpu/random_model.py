@@ -25,7 +25,8 @@ class RandomArtifact:
     components = ["text"]
 
     def __init__(self, hf_config: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0, name="random",
-                 tokenizer_section: dict | None = None, chat_template: str | None = None):
+                 tokenizer_section: dict | None = None, chat_template: str | None = None, mtp: bool = False):
+        """`mtp`: also the checkpoint's MTP head (`mtp.*`, one layer), for the speculative bench."""
         from ninfer_qwen35.model import Qwen35TextModel
 
         self.config = dict(hf_config)
@@ -43,9 +44,19 @@ class RandomArtifact:
         self._shapes.pop(PREFIX + "lm_head.weight", None)
         if not cfg.tie_word_embeddings:
             self._shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        if mtp:
+            from ninfer_qwen35.mtp import MtpHead
+
+            with torch.device("meta"):
+                head = MtpHead(cfg)
+            self._shapes.update({"mtp." + n: tuple(p.shape) for n, p in head.named_parameters()})
+            self.components = ["text", "mtp"]
         self.cfg = cfg
 
     def tensor_names(self, component=None) -> list[str]:
+        if component is not None:
+            return [n for n in self._shapes if (n.startswith("mtp.") and component == "mtp")
+                    or (not n.startswith("mtp.") and component == "text")]
         return list(self._shapes)
 
     def has_tensor(self, name) -> bool:

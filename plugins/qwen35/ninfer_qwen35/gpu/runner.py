@@ -18,24 +18,39 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer_core.engine.model_api import PAGE_SIZE, SeqView
+from ninfer_core.engine.model_api import (
+    DECODE,
+    FINAL_HIDDEN,
+    LOGITS_ALL,
+    LOGITS_LAST,
+    PAGE_SIZE,
+    PREFILL,
+    VERIFY,
+    ForwardBatch,
+    LaneSegment,
+    RunnerOptions,
+    SegmentOutput,
+)
+from ninfer_qwen35.context import Segment
 from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu import moe_kernels as MK
 from ninfer_qwen35.gpu.fla_glue import GRAPH_BUCKETS, GdnPrefillGraphs, fla_chunk, gdn_prefill
-from ninfer_qwen35.context import Segment
-from ninfer_qwen35.runner import Qwen35Runner
+from ninfer_qwen35.gpu.verify import VerifyMixin
+from ninfer_qwen35.runner import ATTN_GROUP, Qwen35Runner
 
 log = logging.getLogger("ninfer.qwen35.gpu")
 
 MAX_GRAPH_BATCH = 8
 MOE_GATHER_MAX_TOKENS = 8  # decode rounds: the MoE GEMV kernels; longer chunks grouped GEMMs (moe_kernels)
+# verify rounds (up to 8 lanes x 16 rows) stay on the gather kernels too: they need no host sync, so
+# the verify graph never depends on torch._grouped_mm being capturable
+MOE_GATHER_MAX_VERIFY_ROWS = 128
 _META = 6  # token, position, slot, seq_len, write page, write row
 
 
@@ -73,7 +88,7 @@ def fuse_model(model) -> list[SimpleNamespace]:
     return out
 
 
-class GpuQwen35Runner(Qwen35Runner):
+class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     # decode step with the fused attention K/V write + output gate (issue 6); False runs the kernel
     # chains they replace (for A/B measurements; drop the graphs after a change)
     decode_fusion = True
@@ -82,9 +97,12 @@ class GpuQwen35Runner(Qwen35Runner):
         super().__init__(*args, **kw)
         self.fused = fuse_model(self.model)
         self.cuda_graph = cuda_graph
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.options = RunnerOptions(cuda_graph=cuda_graph)
+        self._graphs: dict[int, tuple] = {}  # decode graphs by batch width: (graph, logits, hidden)
         self._pool = None
         self._gdn_graphs = GdnPrefillGraphs()  # prefill chunks of <= 1024 tokens (fla_glue)
+        self._init_verify()
+        self._verifying = False  # inside a verify body (the MoE path choice)
         self.info.extra["gpu_path"] = True
 
     @classmethod
@@ -94,8 +112,13 @@ class GpuQwen35Runner(Qwen35Runner):
                    cuda_graph=cuda_graph)
 
     # ---- options --------------------------------------------------------------------------------
-    def configure(self, cuda_graph: bool | None = None) -> None:
-        if cuda_graph is not None:
+    def configure(self, options: RunnerOptions | None = None, cuda_graph: bool | None = None) -> None:
+        """RunnerOptions from the engine (or just `cuda_graph` for tools): graphs on/off, the
+        verify widths to prepare, the lane count."""
+        if options is not None:
+            self.options = options
+            cuda_graph = options.cuda_graph
+        if cuda_graph is not None and bool(cuda_graph) != self.cuda_graph:
             self.cuda_graph = bool(cuda_graph)
             self._drop_graphs()
             self._gdn_graphs.clear()
@@ -105,6 +128,9 @@ class GpuQwen35Runner(Qwen35Runner):
     def _drop_graphs(self) -> None:
         """Forget captured graphs and their memory pool (they point into the current cache)."""
         self._graphs.clear()
+        self._drop_verify_graphs()
+        if self.draft is not None:
+            self.draft.drop_graphs()
         self._pool = None
 
     def free_cache(self) -> None:
@@ -162,7 +188,7 @@ class GpuQwen35Runner(Qwen35Runner):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             took[name] = round((time.perf_counter() - t0) * 1e3, 1)
-        for st in (*self.cache.conv.values(), *self.cache.ssm.values()):
+        for st in self.cache.slot_tensors().values():
             st[self.scratch_slot].zero_()
             if self.num_slots >= 1:
                 st[0].zero_()
@@ -189,36 +215,89 @@ class GpuQwen35Runner(Qwen35Runner):
         log.info("captured GDN prefill graphs for %d chunk lengths in %.1f s", len(self._gdn_graphs),
                  time.perf_counter() - t0)
 
-    def reset_slot(self, slot: int) -> None:
-        self._check_slot(slot)
-        for t in (*self.cache.conv.values(), *self.cache.ssm.values()):
-            t[slot].zero_()
+    def enable_draft_head(self, name: str):
+        if name != "mtp" or self.mtp is None or self.draft is not None:
+            return super().enable_draft_head(name)
+        if self.cache is not None:
+            raise RuntimeError("enable the draft head before allocate_cache")
+        from ninfer_qwen35.gpu.draft import GpuMtpDraftHead
+
+        self.draft = GpuMtpDraftHead(self)
+        return self.draft
+
+    # ---- the forward contract -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
+        self._check(batch)
+        segs = batch.segments
+        plain = all(s.side is None and set(s.hidden) <= {FINAL_HIDDEN} for s in segs)
+        kinds = {s.kind for s in segs}
+        if plain and kinds == {DECODE}:
+            return self._decode_segments(segs)
+        if plain and VERIFY in kinds and PREFILL not in kinds:
+            return self._verify_segments(segs)
+        if plain and kinds == {PREFILL}:
+            return [self._prefill_segment(s) for s in segs]
+        if VERIFY in kinds:
+            raise NotImplementedError("a verify batch with side inputs, hidden layers or prefill segments")
+        return super().forward(batch)  # side inputs / layer outputs: the reference path (same caches)
+
+    def _prefill_segment(self, s: LaneSegment) -> SegmentOutput:
+        seg = Segment(slot=s.slot, pages=list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values()))),
+                      start=s.start, length=len(s.tokens), offset=0)
+        ids = torch.tensor([int(t) for t in s.tokens], dtype=torch.int64, device=self.device)
+        hidden = self._prefill_body(seg, ids, snap=s.snapshot)
+        if self.draft is not None:
+            self._prefill_ride_along(s, ids, hidden)
+        return self._output(s, hidden)
+
+    def _output(self, s: LaneSegment, hidden: torch.Tensor) -> SegmentOutput:
+        logits = None
+        if s.logits == LOGITS_ALL:
+            logits = self.model.logits(hidden)
+        elif s.logits == LOGITS_LAST:
+            logits = self.model.logits(hidden[-1])
+        return SegmentOutput(logits, {FINAL_HIDDEN: hidden} if FINAL_HIDDEN in s.hidden else {})
+
+    def _prefill_ride_along(self, s: LaneSegment, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The draft head's K/V of the chunk's positions; the slot keeps the chunk's last hidden
+        (and a snapshot slot the hidden at its frontier)."""
+        ps = self.cache.page_size
+        t = ids.shape[0]
+        table = list(s.tables.get(self.draft.kv_group) or next(iter(s.tables.values())))
+        pos = torch.arange(s.start, s.start + t, device=self.device)
+        pages = torch.tensor(table[: -(-(s.start + t) // ps)], dtype=torch.int64, device=self.device)
+        wpage = torch.where(pos == 0, self.scratch_page, pages[pos // ps])
+        prev = torch.cat([self.cache.hidden[s.slot][None], hidden[:-1]])
+        self.draft.write_kv(pos, ids, prev, wpage, pos % ps)
+        if s.snapshot is not None:
+            at, snap = s.snapshot
+            self.cache.hidden[snap] = hidden[at - 1]
+        self.cache.hidden[s.slot] = hidden[-1]
 
     # ---- decode -----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def decode(self, seqs: Sequence[SeqView], tokens: Sequence[int]):
-        if len(seqs) != len(tokens) or not seqs:
-            raise ValueError(
-                f"decode needs one token per sequence (got {len(seqs)} sequences, {len(tokens)} tokens)"
-            )
-        segs = [self._segment(s, 1, offset=i) for i, s in enumerate(seqs)]
-        if len({s.slot for s in segs}) != len(segs):
-            raise ValueError("decode batch holds the same state slot twice")
-        self._check_tokens(tokens)
-        b = len(segs)
+    def _decode_segments(self, segs: list[LaneSegment]) -> list[SegmentOutput]:
+        rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
+        tokens = [int(s.tokens[0]) for s in segs]
+        b = len(rows)
         if b <= MAX_GRAPH_BATCH and self.graphs_enabled:
-            self._fill_meta(segs, tokens, self.table_width)
-            graph, logits = self._graph(b)
+            self._fill_meta(rows, tokens, self.table_width)
+            graph, logits, hidden = self._graph(b)
             graph.replay()
-            return logits[:b].clone()
-        width = max(-(-(s.start + 1) // self.cache.page_size) for s in segs)
-        meta = self._build_meta(segs, tokens, width).to(self.device)
-        return self.model.logits(self._decode_body(b, meta, width))
+            logits, hidden = logits[:b].clone(), hidden[:b]
+        else:
+            width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
+            meta = self._build_meta(rows, tokens, width).to(self.device)
+            hidden = self._decode_body(b, meta, width)
+            logits = self.model.logits(hidden)
+        return [SegmentOutput(logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL
+                                                                        else None),
+                              {FINAL_HIDDEN: hidden[i: i + 1].clone()} if FINAL_HIDDEN in s.hidden else {})
+                for i, s in enumerate(segs)]
 
-    def _check_tokens(self, tokens) -> None:
-        for t in tokens:
-            if not 0 <= t < self.cfg.vocab_size:
-                raise ValueError(f"token id {t} outside the vocabulary (size {self.cfg.vocab_size})")
+    def _segment_of(self, s: LaneSegment, offset: int) -> Segment:
+        pages = list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values())))
+        return Segment(slot=s.slot, pages=pages, start=s.start, length=len(s.tokens), offset=offset, kind=s.kind)
 
     def _build_meta(self, segs, tokens, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
         ps = self.cache.page_size
@@ -262,13 +341,19 @@ class GpuQwen35Runner(Qwen35Runner):
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model.logits(self._decode_body(b, meta, self.table_width))
+            hidden = self._decode_body(b, meta, self.table_width)
+            logits = self.model.logits(hidden)
         self._meta_host[:b] = saved
         meta.copy_(self._meta_host)
+        self._reset_scratch()
         torch.cuda.synchronize(self.device)
-        self._graphs[b] = (graph, logits)
+        self._graphs[b] = (graph, logits, hidden)
         log.info("captured decode graph for batch width %d", b)
-        return graph, logits
+        return graph, logits, hidden
+
+    def _reset_scratch(self) -> None:
+        for t in self.cache.slot_tensors().values():
+            t[self.scratch_slot].zero_()
 
     def _decode_body(self, b: int, meta: torch.Tensor, width: int) -> torch.Tensor:
         """One decode step for b lanes described by meta[:b] -> final-normed hidden [b, H]."""
@@ -276,7 +361,7 @@ class GpuQwen35Runner(Qwen35Runner):
         # one transposing copy makes every per-lane column contiguous (was one copy per column)
         ids, pos, slots, lens, wpage, wrow = m[:, :_META].t().contiguous()
         table = m[:, _META : _META + width]
-        model, cache = self.model, self.cache
+        model = self.model
         x = model.embed_tokens(ids)
         cos, sin = model.rotary.cos_sin(pos, x.dtype)
 
@@ -285,7 +370,12 @@ class GpuQwen35Runner(Qwen35Runner):
                 return self._gdn_decode(i, layer.linear_attn, h, slots)
             return self._attn_decode(i, layer.self_attn, h, cos, sin, table, lens, wpage, wrow)
 
-        return self._stack(x, mixer)
+        hidden = self._stack(x, mixer)
+        if self.draft is not None:  # the head's K/V row of each position, then the slot's new hidden
+            mpage = torch.where(pos == 0, torch.full_like(wpage, self.scratch_page), wpage)
+            self.draft.write_kv(pos, ids, self.cache.hidden.index_select(0, slots), mpage, wrow)
+            self.cache.hidden.index_copy_(0, slots, hidden.to(self.cache.hidden.dtype))
+        return hidden
 
     def _stack(self, x, mixer):
         """The decoder stack with fused residual-add + norm: x += mixer(norm(x)); x += mlp(norm(x));
@@ -347,7 +437,7 @@ class GpuQwen35Runner(Qwen35Runner):
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
         if w is None:
-            if h.shape[0] <= MOE_GATHER_MAX_TOKENS:
+            if h.shape[0] <= (MOE_GATHER_MAX_VERIFY_ROWS if self._verifying else MOE_GATHER_MAX_TOKENS):
                 return self._moe_few_tokens(mlp, h)
             return mlp(h)  # MoE block: its own forward (a loop over the experts that got tokens)
         return F.linear(K.silu_mul(F.linear(h, w)), mlp.down_proj.weight)
@@ -365,35 +455,7 @@ class GpuQwen35Runner(Qwen35Runner):
         shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, mlp.shared_expert_gate.weight)
         return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared)
 
-    # ---- prefill (and any multi-token forward) ---------------------------------------------
-    def _forward(self, segs, tokens: list[int]) -> torch.Tensor:
-        if self.cache is None:
-            raise RuntimeError("allocate_cache() must be called before a forward")
-        self._check_tokens(tokens)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        if all(s.length == 1 for s in segs):
-            width = max(-(-(s.start + 1) // self.cache.page_size) for s in segs)
-            meta = self._build_meta(segs, tokens, width).to(self.device)
-            return self._decode_body(len(segs), meta, width)
-        outs = [self._prefill_body(seg, ids[seg.offset : seg.offset + seg.length]) for seg in segs]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    @torch.inference_mode()
-    def prefill_with_snapshot(self, seq: SeqView, tokens, at: int, slot: int):
-        """One forward over the chunk that also leaves the state after its first `at` tokens in
-        state slot `slot` (a checkpoint inside the chunk): each GDN layer runs its conv and delta
-        rule over the two parts and copies the lane's conv/recurrent state to `slot` between them;
-        the projections, attention and MLPs run once over the whole chunk."""
-        if not 0 < at < len(tokens):
-            raise ValueError(f"snapshot position {at} outside the chunk of {len(tokens)} tokens")
-        self._check_slot(slot)
-        if slot == seq.slot:
-            raise ValueError("the snapshot slot is the lane's own state slot")
-        seg = self._segment(seq, len(tokens), offset=0)
-        self._check_tokens(tokens)
-        ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
-        return self.model.logits(self._prefill_body(seg, ids, snap=(at, slot))[-1])
-
+    # ---- prefill -----------------------------------------------------------------------------------
     def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None) -> torch.Tensor:
         model, cache, ps = self.model, self.cache, self.cache.page_size
         t = ids.shape[0]
