@@ -42,19 +42,50 @@ def model(tmp_path_factory):
 
 
 _engines: list[Engine] = []
+SPEC = {"mode": "plain"}  # the drafter every engine of the current test runs with (root never drafts)
 
 
-@pytest.fixture(autouse=True)
-def _shutdown():
+@pytest.fixture(autouse=True, params=["plain", "mtp", "oracle"])
+def _shutdown(request):
+    """Every test runs three times: without speculation, with the MTP backend (the random head's
+    drafts are mostly rejected) and with an oracle drafter (the target's own greedy continuation,
+    corrupted at 0.3: long accepted runs); outputs are compared with a root-only plain engine."""
+    if request.param == "mtp":
+        pytest.importorskip("ninfer_spec_mtp")
+    SPEC["mode"] = request.param
     yield
+    SPEC["mode"] = "plain"
+    counters = [e.snapshot()["counters"] for e in _engines]
     while _engines:
         _engines.pop().shutdown(timeout=60)
+    if request.param != "plain" and counters:  # the drafts were really verified (and some accepted)
+        assert sum(c["draft_tokens"] for c in counters) > 0
+        if request.param == "oracle":
+            assert sum(c["draft_accepted_tokens"] for c in counters) > 0
 
 
-def engine(model, reuse=True, **opts) -> Engine:
+def _drafter(model, runner):
+    import argparse
+
+    art, fam, _ = model
+    if SPEC["mode"] == "mtp":
+        from ninfer_spec_mtp.backend import MtpBackend
+
+        return MtpBackend.load(runner, art, argparse.Namespace(draft_tokens=3))
+    if SPEC["mode"] == "oracle":
+        from ninfer_core.testing import OracleDrafter, runner_continuation
+
+        return OracleDrafter(runner_continuation(fam.load(art), 128), draft_tokens=4, corrupt=0.3,
+                             vocab_size=runner.info.vocab_size, seed=1)
+    return None
+
+
+def engine(model, reuse=True, spec=True, **opts) -> Engine:
     art, fam, tok = model
-    eng = Engine(fam.load(art), tok, EngineOptions(**{"max_context": 2048, "prefill_chunk": 64,
-                                                       "prefix_reuse": reuse, **opts}))
+    runner = fam.load(art)
+    eng = Engine(runner, tok, EngineOptions(**{"max_context": 2048, "prefill_chunk": 64,
+                                               "prefix_reuse": reuse, **opts}),
+                 spec=_drafter(model, runner) if spec else None)
     _engines.append(eng)
     eng.start()
     return eng
@@ -98,7 +129,7 @@ def assert_same(out, want: Tokens, tol: float = 2e-3):
 @pytest.fixture(scope="module")
 def root(model):
     """root(prompt) -> greedy output ids (with their logprobs) of a root-only engine (memoised)."""
-    eng = engine(model, reuse=False)
+    eng = engine(model, reuse=False, spec=False)
     _engines.remove(eng)  # module-scoped: outlives the per-test shutdown
     memo: dict = {}
 
@@ -265,16 +296,17 @@ def test_salvaged_cancelled_prefill_matches_root(model, root):
     eng = engine(model, prefill_chunk=32)
     p = chat(tok, [{"role": "user", "content": "A long question about salvaging cancelled prefills " * 4}])
     assert len(p) > 100
-    real = eng.runner.prefill
+    real = eng.runner.forward
     entered, gate = threading.Event(), threading.Event()
 
-    def held(view, tokens, all_logits=False):  # hold the third chunk until the cancel is in
-        if view.num_cached >= 64 and not gate.is_set():
+    def held(batch):  # hold the third prefill chunk until the cancel is in
+        seg = batch.segments[0]
+        if seg.kind == "prefill" and seg.start >= 64 and not gate.is_set():
             entered.set()
             gate.wait(60)
-        return real(view, tokens, all_logits)
+        return real(batch)
 
-    eng.runner.prefill = held
+    eng.runner.forward = held
 
     async def go():
         h = eng.submit(GenerationRequest(prompt_ids=list(p), sampling=GREEDY, max_tokens=8))
@@ -338,8 +370,9 @@ def test_capture_inside_a_chunk_with_the_gpu_runner_matches_root(model):
     art, fam, tok = model
 
     def gpu_engine(reuse):
-        eng = Engine(GpuQwen35Runner.from_runner(fam.load(art)), tok,
-                     EngineOptions(max_context=2048, prefill_chunk=48, prefix_reuse=reuse))
+        runner = GpuQwen35Runner.from_runner(fam.load(art))
+        eng = Engine(runner, tok, EngineOptions(max_context=2048, prefill_chunk=48, prefix_reuse=reuse),
+                     spec=_drafter(model, runner) if reuse else None)
         _engines.append(eng)
         eng.start()
         return eng
@@ -362,12 +395,14 @@ def test_capture_inside_a_chunk_with_the_gpu_runner_matches_root(model):
         n = pages_for(ck.frontier, 64)
         view = SeqView(0, list(range(r.num_pages - n, r.num_pages)), 0)
         r.reset_slot(0)
-        r.prefill(view, list(ck.tokens))
-        return {i: t[0].clone() for i, t in r.cache.ssm.items()}
+        hidden = r.forward_hidden([view], [list(ck.tokens)])[-1]
+        return {i: t[0].clone() for i, t in r.cache.ssm.items()}, hidden
 
-    want = base.run_control(fresh_state).result(60)
+    want, hidden = base.run_control(fresh_state).result(60)
     for i, t in want.items():
         torch.testing.assert_close(eng.runner.cache.ssm[i][ck.device_slot], t, rtol=1e-4, atol=1e-5)
+    if eng.runner.cache.hidden is not None:  # with the MTP head: the frontier's target hidden too
+        torch.testing.assert_close(eng.runner.cache.hidden[ck.device_slot], hidden, rtol=1e-4, atol=1e-5)
     s = sel(eng)
     o1b = run(eng, p1)  # regenerate: from the turn closure captured inside a chunk
     assert source_delta(eng, s) == "private_turn_closure"

@@ -65,14 +65,22 @@ def _tool_result() -> str:
     return json.dumps({"city": CITY, "temperature": TEMPERATURE, "sky": "cloudy"})
 
 
-@pytest.fixture(scope="module")
+def _spec_flags(mode: str) -> tuple[str, ...]:
+    if mode == "plain":
+        return ()
+    pytest.importorskip("ninfer_spec_mtp")
+    return ("--spec", "mtp", "--draft-tokens", "3")  # ninfer-tiny's trained MTP head drafts
+
+
+@pytest.fixture(scope="module", params=["plain", "spec-mtp"])
 def server(request, tmp_path_factory):
     conftest = request.config.pluginmanager.get_plugin(
         str(Path(__file__).resolve().parents[1] / "conftest.py")
     )
+    flags = _spec_flags(request.param)
     tmp = tmp_path_factory.mktemp("tiny-default")
     # no artifact: the default-artifact hook answers; the random default would be built into the cache
-    s = conftest.launch_server(None, log_dir=tmp, env={"NINFER_CACHE_DIR": str(tmp / "cache")})
+    s = conftest.launch_server(None, *flags, log_dir=tmp, env={"NINFER_CACHE_DIR": str(tmp / "cache")})
     yield s
     s.stop()
 
