@@ -364,3 +364,19 @@ def test_cli_exit_codes_in_a_subprocess(hf_dir, tmp_path):
         env=env,
     )
     assert bad.returncode == 1 and bad.stderr.startswith("error: ")
+
+
+def test_convert_stores_a_proposal_head(hf_dir, tmp_path):
+    """--mtp-proposal-head from an HF directory: the rows of lm_head (or the tied embedding) of the
+    added tokens and the corpus's most frequent tokens (tests/test_convert_proposal.py: re-writes)."""
+    from ninfer_core.artifact.proposal import TOKEN_IDS, WEIGHT
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello hello world " * 20)
+    out = str(tmp_path / "p.ninfer")
+    assert _convert(hf_dir, out, "--mtp-proposal-head", "6", "--mtp-proposal-corpus", str(corpus)) == 0
+    art = Artifact.open(out)
+    ids = art.get_tensor(TOKEN_IDS)
+    src = art.get_tensor(art.manifest["proposal_head"]["source"])
+    assert ids.numel() == 6 and torch.equal(art.get_tensor(WEIGHT), src[ids])
+    assert art.tensor_component(WEIGHT) == "mtp"

@@ -16,10 +16,21 @@ from ninfer_core.artifact.writer import TensorSpec, write_artifact
 
 def run_convert(args) -> int:
     """CLI entry: returns 0, or 1 with `error: ...` on stderr."""
+    head = getattr(args, "mtp_proposal_head", None)
+    corpus = getattr(args, "mtp_proposal_corpus", None)
+    progress = not getattr(args, "no_progress", False)
     try:
-        manifest = convert_hf_dir(
-            args.hf_dir, args.out, name=args.name, progress=not getattr(args, "no_progress", False)
-        )
+        if head is not None and not corpus:
+            raise ArtifactError("--mtp-proposal-head needs --mtp-proposal-corpus FILE (UTF-8 text whose token "
+                                "counts pick the rows; ninfer-tiny's: python -m ninfer_tiny.corpus > corpus.txt)")
+        if corpus and head is None:
+            raise ArtifactError("--mtp-proposal-corpus is used with --mtp-proposal-head N")
+        if os.path.isfile(args.hf_dir) and args.hf_dir.endswith(".ninfer"):
+            manifest = convert_artifact(args.hf_dir, args.out, name=args.name, progress=progress,
+                                        proposal_head=head, corpus=corpus)
+        else:
+            manifest = convert_hf_dir(args.hf_dir, args.out, name=args.name, progress=progress,
+                                      proposal_head=head, corpus=corpus)
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -36,8 +47,12 @@ def run_convert(args) -> int:
     return 0
 
 
-def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False) -> dict:
-    """Convert `hf_dir` into the artifact `out`; returns the manifest written. ArtifactError on bad input."""
+def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
+                   corpus: str | None = None) -> dict:
+    """Convert `hf_dir` into the artifact `out`; returns the manifest written. ArtifactError on bad input.
+
+    `proposal_head` N (with `corpus`): also store an optimised proposal head of N rows
+    (`ninfer_core.artifact.proposal`)."""
     hf_dir = os.fspath(hf_dir)
     out = os.fspath(out)
     if not os.path.isdir(hf_dir):
@@ -53,7 +68,40 @@ def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False)
     manifest = hf_manifest(hf_dir, name=name)
     with contextlib.ExitStack() as stack:
         specs = hf_tensor_specs(hf_dir, stack)
+        if proposal_head is not None:
+            from ninfer_core.artifact.proposal import proposal_specs
+
+            loaders = {sp.name: sp.load for sp in specs}
+            specs += proposal_specs(manifest, loaders, lambda n: loaders[n](), proposal_head, corpus, progress)
         write_artifact(out, manifest, specs, progress=progress)
+    return manifest
+
+
+def convert_artifact(src, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
+                     corpus: str | None = None) -> dict:
+    """Re-write the artifact `src` as `out` (same tensors and manifest), adding or replacing its
+    proposal head when `proposal_head` is given."""
+    from ninfer_core.artifact.proposal import TOKEN_IDS, WEIGHT, proposal_specs
+    from ninfer_core.artifact.reader import Artifact
+
+    if os.path.abspath(src) == os.path.abspath(out):
+        raise ArtifactError("the output must be another file than the source artifact")
+    art = Artifact.open(src)
+    try:
+        manifest = {k: v for k, v in art.manifest.items() if k not in ("format_version", "tensors", "components")}
+        if name:
+            manifest["name"] = name
+        names = [n for n in art.tensor_names() if n not in (WEIGHT, TOKEN_IDS)]
+        manifest["tensors"] = {n: {"component": art.tensor_component(n)} for n in names}
+        specs = []
+        for n in names:
+            t = art.get_tensor(n)
+            specs.append(TensorSpec(n, t.dtype, tuple(t.shape), lambda n=n: art.get_tensor(n)))
+        if proposal_head is not None:
+            specs += proposal_specs(manifest, names, art.get_tensor, proposal_head, corpus, progress)
+        write_artifact(out, manifest, specs, progress=progress)
+    finally:
+        art.close()
     return manifest
 
 

@@ -80,7 +80,7 @@ def itemsize(d: DType) -> int:
 
 def component_of(name: str) -> str:
     """The component a Hugging Face tensor name belongs to (`mtp.*`, `model.visual.*`/`visual.*`)."""
-    if name.startswith("mtp."):
+    if name.startswith(("mtp.", "mtp_proposal.")):
         return "mtp"
     if name.startswith("model.visual.") or name.startswith("visual."):
         return "vision"

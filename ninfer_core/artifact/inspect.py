@@ -105,6 +105,10 @@ def summary(art: Artifact) -> str:
         rows.append(("tokenizer", "none"))
     tmpl = art.chat_template
     rows.append(("chat template", f"yes ({len(tmpl)} chars)" if tmpl else "no"))
+    head = m.get("proposal_head")
+    if isinstance(head, dict) and art.has_tensor("mtp_proposal.weight"):
+        rows.append(("proposal head", f"{head.get('rows')} rows of {head.get('source')} "
+                                      f"(counted on {head.get('corpus')})"))
 
     cfg = art.config
     parts = []

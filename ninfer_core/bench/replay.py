@@ -192,7 +192,7 @@ class PhaseTimer:
     """--profile-replay: wraps the runner's and the catalog's calls with device-synchronised wall
     clocks. `events` collects (phase, ms, detail) for the request being served."""
 
-    RUNNER = ("prefill", "prefill_with_snapshot", "decode", "restore_state", "capture_state", "copy_slot", "copy_page", "read_pages",
+    RUNNER = ("forward", "commit", "restore_state", "capture_state", "copy_slot", "copy_page", "read_pages",
               "write_pages", "reset_slot")
     CACHE = ("make_room", "admit", "materialize", "reserve_capture_slot", "capture_reserved", "after_chunk",
              "on_finish")
@@ -213,10 +213,17 @@ class PhaseTimer:
     def _wrap(self, name, fn):
         import time
 
-        forward = name in ("prefill", "prefill_with_snapshot")
-
         def timed(*args, **kw):
-            before = self._kernels() if forward and self._track else None
+            label, detail = name, ""
+            segs = getattr(args[0], "segments", None) if name == "forward" and args else None
+            if segs:  # a forward: named by what it runs (prefill chunk, decode round, verify round)
+                kind = segs[0].kind
+                label = "prefill_with_snapshot" if kind == "prefill" and segs[0].snapshot else kind
+                if kind == "prefill":
+                    detail = f"start={segs[0].start} T={len(segs[0].tokens)}"
+                    if segs[0].snapshot:
+                        detail += f" capture at +{segs[0].snapshot[0]}"
+            before = self._kernels() if label.startswith("prefill") and self._track else None
             self._sync()
             self._depth += 1
             t0 = time.perf_counter()
@@ -226,16 +233,11 @@ class PhaseTimer:
                 self._sync()
                 ms = (time.perf_counter() - t0) * 1e3
                 self._depth -= 1
-                detail = ""
-                if forward and len(args) >= 2:
-                    detail = f"start={args[0].num_cached} T={len(args[1])}"
-                    if len(args) >= 3:
-                        detail += f" capture at +{args[2]}"
                 if before is not None:
                     new = sorted({os.path.basename(f).rsplit(".", 1)[0] for f in self._kernels() - before})
                     if new:
                         detail += f" [compiled in the call: {', '.join(new)}]"
-                self.events.append((name, ms, detail))
+                self.events.append((label, ms, detail))
         return timed
 
     @staticmethod

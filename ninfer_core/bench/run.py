@@ -67,8 +67,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
     from ninfer_core.bench.replay import add_replay_arguments
+    from ninfer_core.bench.spec import add_spec_bench_arguments
 
     add_replay_arguments(p)
+    add_spec_bench_arguments(p)
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -380,8 +382,7 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     max_context = prompt_len + args.http_tokens + 64
     eng_opts = EngineOptions(max_context=max_context, kv_capacity=clients * max_context, max_concurrency=clients,
                              prefill_chunk=1024, device=str(device), cuda_graph=not args.no_cuda_graph)
-    if hasattr(runner, "free_cache"):  # graphs and cache go before the engine sizes its own pool
-        runner.free_cache()
+    runner.free_cache()  # graphs and cache go before the engine sizes its own pool
     engine = Engine(runner, tok, eng_opts)
     engine.start()
     ctx = ServerContext(options=ServeOptions(engine=eng_opts, log_level="warning"), plugins=host)
@@ -504,7 +505,8 @@ def run_bench(a: argparse.Namespace) -> int:
         if not hasattr(family, "random_artifact"):
             print(f"error: model family {reg.name!r} cannot build random weights", file=sys.stderr)
             return 1
-        art = family.random_artifact(hf_config, device=str(device), seed=a.seed)
+        kw = {"mtp": True} if a.spec not in (None, "oracle") else {}  # the MTP head's weights too
+        art = family.random_artifact(hf_config, device=str(device), seed=a.seed, **kw)
 
     res: dict[str, Any] = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                            else "cpu", "torch": torch.__version__, "cuda_graph": not a.no_cuda_graph}
@@ -513,8 +515,9 @@ def run_bench(a: argparse.Namespace) -> int:
     print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:,.0f} GB/s, matmul {ceil['matmul_TFLOPs']:,.1f} TFLOP/s",
           flush=True)
     runner = family.load(art, device=str(device))
-    if hasattr(runner, "configure"):
-        runner.configure(cuda_graph=not a.no_cuda_graph)
+    from ninfer_core.engine.model_api import RunnerOptions
+
+    runner.configure(RunnerOptions(cuda_graph=not a.no_cuda_graph, max_lanes=max(a.decode_batches or [1])))
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     spec = runner.cache_spec()
     facts = weight_facts(runner)
@@ -530,6 +533,13 @@ def run_bench(a: argparse.Namespace) -> int:
     lanes = Lanes(runner, ppl)
     long_lanes = Lanes(runner, long_pages)
 
+    if a.spec_only:
+        from ninfer_core.bench.spec import render_spec, run_spec_bench
+
+        run_spec_bench(torch, runner, family, art, a, device, res)
+        print(render_spec(res), flush=True)
+        _write_json(a, res)
+        return 0
     bw = ceil["copy_bandwidth_GBps"] * 1e9
     mm_tok_s = ceil["matmul_TFLOPs"] * 1e12 / facts["matmul_flops_per_token"]
     pre = ninfer_prefill(torch, runner, long_lanes, a.prefill_lens, vocab, a.repeats, a.seed)
@@ -574,13 +584,25 @@ def run_bench(a: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001
             res["http"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
+    if a.spec:
+        from ninfer_core.bench.spec import run_spec_bench
+
+        try:
+            run_spec_bench(torch, runner, family, art, a, device, res)
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run's other figures stay
+            res["spec"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"speculative part failed: {res['spec']['error']}", flush=True)
     table = render_table(res)
     print(table, flush=True)
+    _write_json(a, res)
+    return 0
+
+
+def _write_json(a, res: dict) -> None:
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
-    return 0
 
 
 def render_table(res: dict) -> str:
@@ -630,4 +652,7 @@ def render_table(res: dict) -> str:
         tail.append(f"HTTP: {http['error']}")
     elif http.get("tokenizer", "artifact") != "artifact":
         tail.append(f"HTTP tokenizer: {http['tokenizer']}")
-    return head + "\n".join(lines) + ("\n" + "\n".join(tail) if tail else "")
+    from ninfer_core.bench.spec import render_spec
+
+    spec = render_spec(res)
+    return head + "\n".join(lines) + ("\n" + "\n".join(tail) if tail else "") + ("\n" + spec if spec else "")

@@ -154,27 +154,31 @@ def test_replay_profile_names_the_kernels_a_forward_compiled(tmp_path, monkeypat
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "_seen_before.cubin").write_bytes(b"x")
 
+    from ninfer_core.engine.model_api import ForwardBatch, LaneSegment
+
     class FakeRunner:
         device = SimpleNamespace(type="cuda")
 
-        def prefill(self, seq, tokens):
-            d = tmp_path / f"h{len(tokens)}"
-            d.mkdir()
-            (d / "_paged_prefill_kernel.cubin").write_bytes(b"x")
-            (d / "_paged_prefill_kernel.json").write_text("{}")
+        def forward(self, batch):
+            seg = batch.segments[0]
+            if seg.kind == "prefill":
+                d = tmp_path / f"h{len(seg.tokens)}"
+                d.mkdir()
+                (d / "_paged_prefill_kernel.cubin").write_bytes(b"x")
+                (d / "_paged_prefill_kernel.json").write_text("{}")
 
-        def decode(self, seqs, tokens):
-            return None
+    def prefill(runner, start, tokens):
+        runner.forward(ForwardBatch([LaneSegment(0, {"": [0]}, start, tokens)]))
 
     runner = FakeRunner()
     timer = replay.PhaseTimer(runner, None)
-    runner.prefill(SimpleNamespace(num_cached=5), [1, 2, 3])
-    runner.prefill(SimpleNamespace(num_cached=8), [1, 2])
+    prefill(runner, 5, [1, 2, 3])
+    prefill(runner, 8, [1, 2])
     (name, _, detail), (_, _, detail2) = timer.take()
     assert name == "prefill" and detail == "start=5 T=3 [compiled in the call: _paged_prefill_kernel]"
     assert "_seen_before" not in detail and detail2.endswith("[compiled in the call: _paged_prefill_kernel]")
     monkeypatch.setattr(FakeRunner, "device", SimpleNamespace(type="cpu"))
     cpu = FakeRunner()
     timer = replay.PhaseTimer(cpu, None)
-    cpu.prefill(SimpleNamespace(num_cached=0), [1] * 9)
+    prefill(cpu, 0, [1] * 9)
     assert timer.take()[0][2] == "start=0 T=9"  # no device, no tracking
