@@ -67,8 +67,11 @@ def test_prompt_shapes(app):
     for prompt in (ids, [ids], [PROMPT], [ids[0], qwen_tokenizer().decode(ids[1:])]):
         body = post(client, prompt=prompt, echo=True).json()
         assert body["choices"][0]["text"] == PROMPT + OUTPUT, prompt
-    assert_error(post(client, prompt=[PROMPT, PROMPT]), 400, "multiple_prompts_not_supported", "prompt")
-    assert_error(post(client, prompt=[ids, ids]), 400, "multiple_prompts_not_supported", "prompt")
+    # a batch: one choice per prompt, in order, usage summed (llama.cpp's multiple prompts)
+    for prompt in ([PROMPT, PROMPT], [ids, ids], [{"prompt_string": PROMPT}, ids]):
+        body = post(client, prompt=prompt, echo=True).json()
+        assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, PROMPT + OUTPUT), (1, PROMPT + OUTPUT)]
+        assert body["usage"]["prompt_tokens"] == 2 * len(ids)
     assert_idle(engine)
 
 
@@ -136,7 +139,8 @@ BAD = [
     ({"stop": ["x"] * 33}, 400, "invalid_value", "stop"),
     ({"tfs_z": 0.5}, 400, "tfs_z_not_supported", "tfs_z"),
     ({"grammar": "root ::= x"}, 400, "grammar_not_supported", "grammar"),
-    ({"logit_bias": {"11": -100}}, 400, "logit_bias_not_supported", "logit_bias"),
+    ({"logit_bias": {"11": -100.5}}, 400, "invalid_value", "logit_bias[11]"),
+    ({"logit_bias": {"x": False, "11": "y"}}, 400, "invalid_type", "logit_bias[11]"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
      "response_format_not_supported", "response_format"),
     ({"top_p": 0}, 200, None, None),

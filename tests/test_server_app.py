@@ -111,13 +111,15 @@ def test_cors(make_app):
     pre = client.options("/v1/chat/completions", headers={
         "Origin": "http://ui.test", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "Authorization, X-Conversation-Id"})
-    assert pre.status_code == 204
-    assert pre.headers["access-control-allow-origin"] == "*"
+    # llama-server's preflight: 200, the Origin reflected, credentials allowed
+    assert pre.status_code == 200 and pre.content == b""
+    assert pre.headers["access-control-allow-origin"] == "http://ui.test"
+    assert pre.headers["access-control-allow-credentials"] == "true"
     allowed = pre.headers["access-control-allow-headers"]
     assert "x-conversation-id" in allowed and "authorization" in allowed
     assert pre.headers["x-ninfer-version"]
     r = client.get("/v1/models", headers={"Origin": "http://ui.test", "Authorization": "Bearer k"})
-    assert r.headers["access-control-allow-origin"] == "*"
+    assert r.headers["access-control-allow-origin"] == "http://ui.test" and r.headers["vary"] == "Origin"
     assert "x-request-id" in r.headers["access-control-expose-headers"]
     # Without an Origin the headers are not added; without --cors never.
     assert "access-control-allow-origin" not in client.get("/health").headers

@@ -40,7 +40,8 @@ THROUGHPUT_INTERVAL_S = 5.0
 # Endpoint -> protocol name of the request records.
 PROTOCOLS = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completions",
              "/completion": "llamacpp_completion", "/completions": "llamacpp_completion",
-             "/v1/messages": "anthropic_messages", "/v1/responses": "openai_responses"}
+             "/v1/messages": "anthropic_messages", "/v1/responses": "openai_responses",
+             "/chat/completions": "openai_chat", "/responses": "openai_responses"}  # llama-server's unprefixed forms
 
 
 class RequestLogError(Exception):

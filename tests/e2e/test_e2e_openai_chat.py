@@ -118,7 +118,7 @@ def test_streaming_chunk_sequence_with_usage(client, model_id):
     first, finish, usage = chunks[0], chunks[-2], chunks[-1]
     assert len({c.id for c in chunks}) == 1 and first.id.startswith("chatcmpl-")
     assert all(c.object == "chat.completion.chunk" for c in chunks)
-    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content is None
     assert first.choices[0].finish_reason is None
     for c in chunks[1:-2]:
         delta = c.choices[0].delta
