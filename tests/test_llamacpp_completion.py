@@ -366,3 +366,50 @@ def test_overload_is_429_and_releases(raw_app):
     assert_error(post(client, prompt=""), 400, "invalid_value", "prompt")
     assert ctx.ingress.admitted == 0  # a refused request gives its unit back
     assert_idle(engine)
+
+
+# -- batches of prompts (llama.cpp: one result per prompt) -------------------------------------------
+
+def test_batch_answers_an_array_in_prompt_order(raw_app):
+    client, _, engine, _ = raw_app(policy=script({PROMPT: OUTPUT, "<|im_start|>user\nHi": "Hello!"}),
+                                   engine_options={"max_concurrency": 2})
+    hi = qwen_tokenizer().encode("<|im_start|>user\nHi")
+    body = post(client, prompt=[PROMPT, hi, {"prompt_string": PROMPT}], response_fields=["index", "content"]).json()
+    assert body == [{"index": 0, "content": OUTPUT}, {"index": 1, "content": "Hello!"},
+                    {"index": 2, "content": OUTPUT}]
+    # a one-prompt batch answers like that prompt alone
+    one = post(client, prompt=[PROMPT]).json()
+    assert isinstance(one, dict) and one["content"] == OUTPUT and one["index"] == 0
+    events = sse(post(client, prompt=[PROMPT, hi], stream=True).text)
+    finals = [e for e in events if e["stop"]]
+    assert sorted(e["index"] for e in finals) == [0, 1]
+    assert "".join(e["content"] for e in events if e["index"] == 1) == "Hello!"
+    assert_idle(engine)
+
+
+def test_batch_failure_cancels_the_other_prompts(raw_app):
+    client, _, engine, _ = raw_app(policy=script({PROMPT: OUTPUT}))
+    too_long = [11] * 3000
+    assert_error(post(client, prompt=[PROMPT, too_long]), 400, "context_length_exceeded", "prompt[1]")
+    assert_idle(engine)
+    # one lane: prompt 1 is submitted after the stream started, so its refusal ends the stream
+    events = sse(post(client, prompt=[PROMPT, too_long], stream=True, n_predict=4).text)
+    assert events[-1]["error"]["code"] == "context_length_exceeded" and events[-1]["error"]["param"] == "prompt[1]"
+    assert_idle(engine)
+    assert post(client).json()["content"] == OUTPUT
+
+
+def test_n_probs_with_the_toy_model(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    body = post(client, n_probs=2, temperature=0, return_tokens=True).json()
+    probs = body["completion_probabilities"]
+    end = tok.token_to_id("<|im_end|>")
+    # the engine records no probabilities for the stop token (llama.cpp lists it too)
+    assert body["tokens"][-1] == end and [p["id"] for p in probs] == body["tokens"][:-1]
+    assert all(len(p["top_logprobs"]) == 2 and p["top_logprobs"][0]["id"] == p["id"] for p in probs)
+    alternatives = [t for p in probs for t in p["top_logprobs"][1:]]
+    assert all(t["token"] == "" and t["bytes"] == [] for t in alternatives if tok.is_special(t["id"]))
+    post_body = post(client, n_probs=2, post_sampling_probs=True, temperature=0).json()
+    assert all(p["prob"] == 1.0 for p in post_body["completion_probabilities"])
+    assert_idle(engine)

@@ -37,7 +37,13 @@ from ninfer_core.protocols.raw_submit import (
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop, internal_error
+from ninfer_core.server.errors import (
+    bad_request,
+    engine_error_body,
+    internal_error,
+    parse_json_body,
+    parse_off_loop,
+)
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,

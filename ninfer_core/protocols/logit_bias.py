@@ -49,6 +49,8 @@ def parse_logit_bias(value: Any, tokenizer: Any, vocab: int, param: str = "logit
         b = _bias(bias, where if isinstance(value, dict) else f"{where}.1")
         for tid in _token_ids(token, tokenizer, vocab, where if isinstance(value, dict) else f"{where}.0"):
             out[tid] = out.get(tid, 0.0) + b
+    if sum(1 for b in out.values() if b == BAN) >= vocab:
+        raise bad_request("invalid_value", "logit_bias bans every token of the vocabulary.", param)
     return {t: b for t, b in out.items() if b != 0}
 
 

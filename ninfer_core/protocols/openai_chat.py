@@ -27,7 +27,7 @@ from ninfer_core.protocols.openai_chat_request import ChatPlan, validate_body
 from ninfer_core.protocols.raw_prompt import generation_settings
 from ninfer_core.protocols.tokenize_routes import chat_input_tokens
 from ninfer_core.server.context import Ingress, ServerContext
-from ninfer_core.server.errors import engine_error_body, parse_off_loop, internal_error
+from ninfer_core.server.errors import engine_error_body, internal_error, parse_off_loop
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
 from ninfer_core.server.prepare import (
     PreparedPrompt,

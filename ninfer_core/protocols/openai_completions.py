@@ -31,7 +31,13 @@ from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineEvent
 from ninfer_core.protocols.llamacpp_objects import final_object, partial_object
 from ninfer_core.protocols.raw_batch import ErrorFrame, RawBatch
-from ninfer_core.protocols.raw_prompt import RawCompletionFields, RawPlan, WireModel, check_fields, settings_dict
+from ninfer_core.protocols.raw_prompt import (
+    RawCompletionFields,
+    RawPlan,
+    WireModel,
+    check_fields,
+    settings_dict,
+)
 from ninfer_core.protocols.raw_submit import (
     LiveTimings,
     RawSubmission,
@@ -40,7 +46,13 @@ from ninfer_core.protocols.raw_submit import (
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop, internal_error
+from ninfer_core.server.errors import (
+    bad_request,
+    engine_error_body,
+    internal_error,
+    parse_json_body,
+    parse_off_loop,
+)
 from ninfer_core.server.sse import (
     DONE,
     KEEPALIVE,

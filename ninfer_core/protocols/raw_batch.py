@@ -135,7 +135,7 @@ class RawBatch:
             while running:
                 try:
                     item = await asyncio.wait_for(queue.get(), keepalive_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield KEEPALIVE
                     continue
                 if item is None:
