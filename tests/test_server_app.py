@@ -72,7 +72,7 @@ def test_doubled_v1_prefix(make_app):
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
     _check_envelope(client.post("/v1/v1/chat/completions", json={"messages": []}), 400, "invalid_value",
                     param="messages")
-    assert client.get("/v1/v1/health").status_code == 404  # only /v1/... paths are doubled
+    assert client.get("/v1/v1/props").status_code == 404  # only /v1/... paths are doubled
 
 
 @pytest.mark.parametrize("headers,ok", [
@@ -97,6 +97,7 @@ def test_api_key(make_app, headers, ok):
 def test_api_key_exemptions(make_app):
     client, _, _ = make_app(api_key="sekret")
     assert client.get("/health").status_code == 200
+    assert client.get("/v1/health").json()["status"] == "ok"  # llama-server's public second spelling
     for path in ("/v1/load", "/props", "/v1", "/v1/models/test-model"):
         assert client.get(path).status_code == 401
     _check_envelope(client.post("/v1/chat/completions", json=HI), 401, "invalid_api_key")

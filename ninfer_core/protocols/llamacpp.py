@@ -57,6 +57,8 @@ log = logging.getLogger("ninfer.server")
 
 class LlamaCompletionRequest(RawCompletionFields):
     n_predict: int | None = None  # first; then max_tokens. Any negative value: no limit
+    n_cmpl: int | None = None  # completions per prompt (llama.cpp also reads OpenAI's n)
+    n: int | None = None
     json_schema: Any = None
     return_tokens: bool | None = None
     return_progress: bool | None = None
@@ -111,7 +113,11 @@ def validate_body(raw: bytes, ctx: ServerContext) -> LlamaPlan:
         if not name:
             raise bad_request("invalid_value", "response_fields names must be non-empty.",
                               f"response_fields.{i}")
-    return LlamaPlan(check_fields(req, ctx, limit, negative_is_unlimited=True, limit_param=param), req)
+    copies, copies_param = (req.n_cmpl, "n_cmpl") if req.n_cmpl is not None else (req.n, "n")
+    if copies is not None and copies < 1:
+        raise bad_request("invalid_value", f"{copies_param} must be at least 1.", copies_param)
+    return LlamaPlan(check_fields(req, ctx, limit, negative_is_unlimited=True, limit_param=param,
+                                  copies=copies or 1, copies_param=copies_param), req)
 
 
 def select_fields(obj: dict, names: list[str] | None) -> dict:

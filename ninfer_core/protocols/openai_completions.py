@@ -2,11 +2,11 @@
 
 A raw prompt continues without a chat template (raw_prompt.py holds the checks shared with
 llama.cpp's /completion). The response is a text_completion object with usage and llama.cpp's
-timings; echo puts the prompt text before the completion (and opens a stream with it). n and
-best_of are served only at 1; a non-empty suffix (fill-in-the-middle) is refused. logprobs k > 0
-returns the legacy logprobs object for the generated tokens (an extension of the spec, which
-accepts only 0: the engine now computes them); the prompt's own log probabilities (echo with
-logprobs) are not available and refused.
+timings; echo puts the prompt text before the completion (and opens a stream with it). n makes n
+completions of each prompt (llama.cpp's n_cmpl), best_of is served only at 1; a non-empty suffix
+(fill-in-the-middle) is refused. logprobs k > 0 returns the legacy logprobs object for the
+generated tokens (an extension of the spec, which accepts only 0: the engine now computes them);
+the prompt's own log probabilities (echo with logprobs) are not available and refused.
 A stream ends with the finish chunk, the usage chunk when stream_options.include_usage asks, and
 [DONE]. llama.cpp's n_probs stands for logprobs when logprobs is absent; `verbose: true` adds the
 llama.cpp object as `__verbose` (llamacpp_objects.py). A batch of prompts answers one choice per
@@ -110,7 +110,8 @@ def validate_body(raw: bytes, ctx: ServerContext) -> CompletionPlan:
     if not isinstance(data, dict):
         raise bad_request("invalid_type", "The request body must be a JSON object.", None)
     req = CompletionRequest.model_validate(data)
-    _only_one(req.n, "n", "one request produces one choice")
+    if req.n is not None and req.n < 1:
+        raise bad_request("invalid_value", "n must be at least 1.", "n")
     _only_one(req.best_of, "best_of", "one candidate is generated per request")
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -119,7 +120,7 @@ def validate_body(raw: bytes, ctx: ServerContext) -> CompletionPlan:
         raise bad_request("suffix_not_supported", "A suffix (fill-in-the-middle) is not supported: the "
                           "prompt is continued at its end only.", "suffix")
     plan = CompletionPlan(check_fields(req, ctx, req.max_tokens, negative_is_unlimited=False,
-                                       limit_param="max_tokens"), req)
+                                       limit_param="max_tokens", copies=req.n or 1, copies_param="n"), req)
     if plan.logprobs and req.echo:
         raise bad_request("logprobs_not_supported", "Log probabilities of the prompt (echo with "
                           "logprobs) are not available: only generated tokens have them.", "echo")

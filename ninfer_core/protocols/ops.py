@@ -183,6 +183,7 @@ def mount_status_routes(router: APIRouter, ctx: ServerContext) -> None:
         return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/v1/health", health, methods=["GET"])  # llama-server's second spelling
     router.add_api_route("/v1/load", get_load, methods=["GET"])
     router.add_api_route("/metrics", get_metrics, methods=["GET"])
     router.add_api_route("/stats", get_stats, methods=["GET"])

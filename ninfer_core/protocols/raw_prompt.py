@@ -18,7 +18,7 @@ from ninfer_core.engine.api import EngineError, SamplingParams
 from ninfer_core.engine.sampler import random_seed
 from ninfer_core.protocols.logit_bias import parse_logit_bias
 from ninfer_core.protocols.openai_chat_request import check_response_format
-from ninfer_core.protocols.raw_prompt_input import RawPrompt, parse_prompts, vocab_limit
+from ninfer_core.protocols.raw_prompt_input import RawPrompt, parse_prompts, vocab_limit, with_copies
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
@@ -164,8 +164,10 @@ def stop_list(stop: Any) -> list[str]:
 
 
 def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None,
-                 negative_is_unlimited: bool, limit_param: str) -> RawPlan:
-    """The checks both routes share; `limit` is the route's output-limit field value."""
+                 negative_is_unlimited: bool, limit_param: str, copies: int = 1, copies_param: str = "n_cmpl"
+                 ) -> RawPlan:
+    """The checks both routes share; `limit` is the route's output-limit field value, `copies` its
+    completions per prompt (n_cmpl, n)."""
     check_model(req.model, ctx)
     check_neutral_controls(req)
     check_response_format(req.response_format)
@@ -185,7 +187,7 @@ def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
     }
     return RawPlan(
-        prompts=parse_prompts(req.prompt, ctx),
+        prompts=with_copies(parse_prompts(req.prompt, ctx), copies, copies_param),
         max_tokens=None if limit is None or limit < 0 else limit,
         derived_limit=limit is not None and limit < 0,
         stop=stop_list(req.stop),

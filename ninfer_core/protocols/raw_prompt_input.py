@@ -25,6 +25,18 @@ class RawPrompt:
 
     parts: Any
     param: str
+    copy: int = 0  # the j-th of n_cmpl completions of the same prompt (its seed is offset by j)
+
+
+def with_copies(prompts: list[RawPrompt], n: int, param: str) -> list[RawPrompt]:
+    """llama.cpp's n_cmpl (OpenAI's n): every prompt n times, result i * n + j the j-th completion of
+    prompt i; the request stays within MAX_PROMPTS results."""
+    if n == 1:
+        return prompts
+    if len(prompts) * n > MAX_PROMPTS:
+        raise bad_request("invalid_value", f"{len(prompts)} prompts x {param} {n} is {len(prompts) * n} "
+                          f"completions; at most {MAX_PROMPTS} are made per request.", param)
+    return [RawPrompt(p.parts, p.param, j) for p in prompts for j in range(n)]
 
 
 def _is_token(x: Any) -> bool:

@@ -55,6 +55,9 @@ def submit_prompt(request: Any, ctx: ServerContext, plan: RawPlan, ids: list[int
                   logprobs: int | None, deadline: float, release: Any = None) -> RawSubmission:
     """Submit prompt `index` of `plan` (its ids already checked); on the event loop."""
     sampling = raw_sampling(ctx, plan)
+    copy = plan.prompts[index].copy
+    if copy:  # the n_cmpl copies of one prompt draw from seeds of their own (signed 64-bit, wrapped)
+        sampling.seed = (sampling.seed + copy + (1 << 63)) % (1 << 64) - (1 << 63)
     max_tokens = output_limit(ctx, plan, len(ids))
     request_id = request.scope.get("state", {}).get("request_id", "")
     if request_id and plan.batch:

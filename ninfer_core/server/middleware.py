@@ -7,7 +7,8 @@ through untouched. Order of the checks, outermost first:
   3. until the model is warm every route answers 503 model_loading with Retry-After: 2;
   4. --cors / --cors-origins answer preflights and decorate responses as llama-server does (the
      Origin reflected, credentials allowed); an Origin --cors-origins does not list is 403;
-  5. --api-key: Bearer or x-api-key, compared in constant time (GET /health and preflights exempt);
+  5. --api-key: Bearer or x-api-key, compared in constant time (GET /health, /v1/health and
+     preflights exempt);
   6. --max-request-mib: 413 before JSON parsing (Content-Length, or counted while streaming in).
 """
 
@@ -111,7 +112,7 @@ class ServerMiddleware:
             if preflight and self.ctx.options.cors:
                 await _preflight(headers)(scope, receive, send_wrapper)
                 return
-            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] == "/health")
+            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] in ("/health", "/v1/health"))
             if self._key is not None and not exempt and not self._authorized(headers):
                 resp = shaped_error_response(
                     scope, 401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>' or "

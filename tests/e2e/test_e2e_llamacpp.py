@@ -146,7 +146,7 @@ def test_openai_completions(client, tokenizer):
 
 
 def test_openai_completions_refusals(client, http):
-    for extra, code, param in ((dict(n=2), "n_not_supported", "n"),
+    for extra, code, param in ((dict(n=0), "invalid_value", "n"),
                                (dict(suffix="}"), "suffix_not_supported", "suffix"),
                                (dict(logprobs=2, echo=True), "logprobs_not_supported", "echo"),
                                (dict(best_of=2), "best_of_not_supported", "best_of"),

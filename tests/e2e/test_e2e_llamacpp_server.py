@@ -48,8 +48,9 @@ def open_cors(tiny_artifact, tmp_path_factory, launch):
 
 
 def test_unprefixed_openai_routes(live_server):
-    """server.cpp registers POST /chat/completions, /responses, /responses/input_tokens and GET /models
-    beside the /v1 forms; an OpenAI client given the server root as its base URL uses them."""
+    """server.cpp registers POST /chat/completions, /responses, /responses/input_tokens, GET /models
+    and GET /v1/health beside the other forms; an OpenAI client given the server root as its base URL
+    uses them."""
     with openai.OpenAI(base_url=live_server.base_url, api_key="x", max_retries=0, timeout=120) as root, \
             openai.OpenAI(base_url=live_server.api_base, api_key="x", max_retries=0, timeout=120) as v1:
         kw = dict(model=MODEL, messages=HI, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
@@ -60,6 +61,7 @@ def test_unprefixed_openai_routes(live_server):
         resp = root.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0)
         assert resp.object == "response" and resp.usage.output_tokens <= 4
     base = live_server.base_url
+    assert httpx.get(base + "/v1/health").json()["status"] == "ok"  # server.cpp: /health and /v1/health
     for path in ("/responses/input_tokens", "/v1/responses/input_tokens"):
         r = httpx.post(base + path, json={"model": MODEL, "input": "Hi"})
         assert r.status_code == 200 and r.json()["object"] == "response.input_tokens"
