@@ -253,7 +253,10 @@ def add_llamacpp_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accept-any-model", action="store_true",
                    help="serve a request naming any model with the loaded one (clients that send a fixed name)")
     g.add_argument("--alias", type=_comma_list, default=[], metavar="NAMES",
-                   help="further comma-separated model names requests may use (reported as aliases)")
+                   help="comma-separated model names requests may use (reported as aliases); the first is the "
+                        "public model id unless --model-id is given")
+    g.add_argument("--jinja", action="store_true",
+                   help="accepted for llama-server scripts: chat templates are always Jinja")
     g.add_argument("--tags", type=_comma_list, default=[], metavar="TAGS",
                    help="comma-separated informational model tags (reported by /v1/models)")
 

@@ -75,8 +75,10 @@ def artifact_facts(artifact: Any) -> dict[str, Any]:
 
 
 def public_model_id(options: ServeOptions, artifact: Any) -> str:
+    """--model-id, else the first --alias (llama-server's --alias names the model), else the artifact's."""
     identity = artifact.manifest.get("identity") or {}
-    return options.model_id or identity.get("model_id") or artifact.name or artifact.architecture
+    first_alias = options.aliases[0] if options.aliases else None
+    return options.model_id or first_alias or identity.get("model_id") or artifact.name or artifact.architecture
 
 
 class BindError(Exception):

@@ -40,8 +40,9 @@ def strict(tiny_artifact, tmp_path_factory, launch):
 
 @pytest.fixture(scope="module")
 def open_cors(tiny_artifact, tmp_path_factory, launch):
-    """--cors (any origin) with model aliases and tags."""
-    s = launch(tiny_artifact, "--cors", "--alias", "alias-one,alias-two", "--tags", "local,test",
+    """--cors (any origin) with model aliases and tags (and llama-server's no-op --jinja)."""
+    s = launch(tiny_artifact, "--cors", "--model-id", MODEL, "--alias", "alias-one,alias-two",
+               "--tags", "local,test", "--jinja",
                log_dir=tmp_path_factory.mktemp("open"))
     yield s
     s.stop()
@@ -181,6 +182,16 @@ def test_host_list_listens_on_each(strict):
         r = httpx.post(base + "/completion", json={"prompt": "x", "n_predict": 1}, headers={"Origin": base})
         assert r.status_code == 200
     assert f"http://[::1]:{strict.port}" in strict.log()
+
+
+def test_alias_names_the_model(tiny_artifact, start_server):
+    """README: "By default, model id field is the path to model file ... You can set a custom value for
+    model id field via --alias argument"; the other aliases are further names."""
+    s = start_server("--alias", "gpt-4o-mini,mini")
+    model = httpx.get(s.base_url + "/v1/models").json()["data"][0]
+    assert (model["id"], model["aliases"]) == ("gpt-4o-mini", ["gpt-4o-mini", "mini"])
+    r = httpx.post(s.base_url + "/completion", json={"model": "mini", "prompt": "x", "n_predict": 1})
+    assert r.status_code == 200 and r.json()["model"] == "gpt-4o-mini"
 
 
 def test_accept_any_model(strict):
