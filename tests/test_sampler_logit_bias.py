@@ -139,3 +139,15 @@ def test_logit_bias_refusals(wire, code, param):
     with pytest.raises(EngineError) as e:
         parse_logit_bias(wire, WordTokenizer(), 3)
     assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
+
+
+def test_request_log_records_the_bias_as_a_count():
+    """The JSONL request log writes strict JSON: a ban (minus infinity) and the client's token ids
+    are logged as the number of biased tokens."""
+    import json
+
+    from ninfer_core.server.request_log import _sampler_record
+
+    rec = _sampler_record(SamplingParams(logit_bias={5: BAN, 9: 2.0}))
+    assert rec["logit_bias"] == 2
+    json.dumps(rec, allow_nan=False)
