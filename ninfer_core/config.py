@@ -236,6 +236,11 @@ def _comma_list(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _origins(values: list[str] | None) -> list[str] | None:
+    """Origins as a browser sends them: no trailing slash (`http://ui.test/` lists `http://ui.test`)."""
+    return None if values is None else [v.rstrip("/") or v for v in values]
+
+
 def add_llamacpp_arguments(p: argparse.ArgumentParser) -> None:
     """Options scripts written for llama-server pass (docs/llamacpp.md, "Server options").
     --host (above) also takes llama-server's comma list of addresses."""
@@ -294,7 +299,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         request_log_jsonl=log_path, request_log_max_mib=getattr(a, "request_log_max_mib", 0),
         request_log_keep=getattr(a, "request_log_keep", 4),
         engine=eng, thinking=thinking_options_from_args(a, a.no_thinking),
-        cors_origins=getattr(a, "cors_origins", None), no_slots=getattr(a, "no_slots", False),
+        cors_origins=_origins(getattr(a, "cors_origins", None)), no_slots=getattr(a, "no_slots", False),
         accept_any_model=getattr(a, "accept_any_model", False), aliases=list(getattr(a, "alias", []) or []),
         tags=list(getattr(a, "tags", []) or []),
     )
