@@ -156,15 +156,17 @@ def _draw(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a sampled token outside its position's top 20
 
 
-def filtered_candidates(x: torch.Tensor, state: SamplerState) -> tuple[list[int], list[float]]:
+def filtered_candidates(x: torch.Tensor, state: SamplerState,
+                        top: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], list[float]]:
     """The distribution a drawn row samples from: candidate ids and probabilities after the
     temperature and the top_k / top_p / min_p filters, renormalised; `x` [vocab] is the adjusted
     row (`apply_logit_adjustments`) of a row that is not greedy. Descending; filtered-out
     candidates are left out.
 
-    The same steps as `_draw`, for one row: kept apart so reporting never touches the draw."""
+    The same steps as `_draw`, for one row: kept apart so reporting never touches the draw. `top`
+    is `x.topk(CANDIDATES)` when the caller has it."""
     k = min(CANDIDATES, x.shape[-1])
-    vals, ids = x.topk(k)  # [k], descending
+    vals, ids = top if top is not None else x.topk(k)  # [k], descending
     probs = torch.softmax(vals / state.params.temperature, dim=-1)
     probs = probs * (torch.arange(k, device=x.device) < state.top_k)
     probs = probs / probs.sum()
@@ -195,14 +197,15 @@ def token_logprobs(logits: torch.Tensor, states: list[SamplerState], tokens: lis
     out = []
     for row, (s, token, k) in enumerate(zip(states, tokens, ks)):
         x = apply_logit_adjustments(logits[row].float().clone(), s)  # [vocab]
+        n = min(CANDIDATES, x.shape[-1])
+        top = x.topk(n)  # the log-softmax keeps this order: one top-k serves both distributions
         # a greedy row's distribution after sampling is its pick alone
-        post = [(int(token), 1.0)] if s.greedy else list(zip(*filtered_candidates(x, s)))
+        post = [(int(token), 1.0)] if s.greedy else list(zip(*filtered_candidates(x, s, top)))
         if not s.greedy and s.params.temperature > 0:
             x = x / s.params.temperature
         lp = torch.log_softmax(x, dim=-1)
-        n = min(CANDIDATES, lp.shape[-1])
-        vals, ids = lp.topk(n)
-        vals, ids = vals.tolist(), ids.tolist()
+        ids = top.indices
+        vals, ids = lp[ids].tolist(), ids.tolist()
         finite = [(i, v) for i, v in zip(ids, vals) if v != float("-inf")]
         chosen = float(lp[token]) if token in ids and float(lp[token]) != float("-inf") else LOGPROB_FLOOR
         m = max(0, min(k, n))
