@@ -168,6 +168,13 @@ class ServeOptions:
     plugins: list[str] = field(default_factory=list)
     spec: str | None = None  # --spec NAME: the speculative backend
     plugin_options: argparse.Namespace = field(default_factory=argparse.Namespace)  # what plugins added
+    # llama-server compatibility (add_llamacpp_arguments)
+    cors_origins: list[str] | None = None  # allow only these origins (implies CORS); "*", "localhost"
+    no_slots: bool = False  # GET/POST /slots answer 501, as llama-server --no-slots does
+    accept_any_model: bool = False  # any requested model name is served by the one model
+    aliases: list[str] = field(default_factory=list)  # further model names (--alias)
+    tags: list[str] = field(default_factory=list)  # informational model tags (--tags)
+    hosts: list[str] = field(default_factory=list)  # every --host address (comma-separated); host is the first
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
@@ -185,7 +192,8 @@ def _positive(lo: int, hi: int | None = None):
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", nargs="?", help="the .ninfer artifact (default: the embedded small model)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; a comma-separated list listens on each (127.0.0.1,::1)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--stats-port", type=_positive(0, 65535), default=None, metavar="N",
                    help="also serve GET /health, /stats, /v1/load and /metrics on port N of the same address, with a "
@@ -193,7 +201,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-id", default=None)
     p.add_argument("--cors", action="store_true")
-    p.add_argument("--chat-template", default=None, metavar="FILE")
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="a built-in template name (chatml, qwen35), a Jinja file, or inline Jinja source")
     p.add_argument("--no-thinking", action="store_true")
     p.add_argument("--preserve-thinking", action="store_true")
     p.add_argument("--max-request-mib", type=_positive(1), default=384)
@@ -262,6 +271,41 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "X-NInfer-Draft-Session (default 0: off)")
     g.add_argument("--ngram-session-mib", type=_positive(1), default=128, metavar="N",
                    help="per-session share of that archive, 1 MiB up to the archive size (default 128)")
+    add_llamacpp_arguments(p)
+
+
+def _comma_list(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _origins(values: list[str] | None) -> list[str] | None:
+    """Origins as a browser sends them: no trailing slash (`http://ui.test/` lists `http://ui.test`)."""
+    return None if values is None else [v.rstrip("/") or v for v in values]
+
+
+def add_llamacpp_arguments(p: argparse.ArgumentParser) -> None:
+    """Options scripts written for llama-server pass (docs/llamacpp.md, "Server options").
+    --host (above) also takes llama-server's comma list of addresses."""
+    g = p.add_argument_group("llama-server compatibility")
+    g.add_argument("--cors-origins", type=_comma_list, default=None, metavar="LIST",
+                   help="allow CORS only from these comma-separated origins ('*' any, 'localhost' a page served "
+                        "from this machine); implies --cors")
+    g.add_argument("--metrics", action="store_true",
+                   help="accepted for llama-server scripts: GET /metrics is always served")
+    g.add_argument("--slots", dest="no_slots", action="store_false", default=False, help="serve GET /slots (the default)")
+    g.add_argument("--no-slots", dest="no_slots", action="store_true", default=False,
+                   help="answer GET and POST /slots with 501, as llama-server --no-slots does")
+    g.add_argument("--chat-template-file", dest="chat_template", metavar="FILE",
+                   help="llama-server's spelling of --chat-template FILE")
+    g.add_argument("--accept-any-model", action="store_true",
+                   help="serve a request naming any model with the loaded one (clients that send a fixed name)")
+    g.add_argument("--alias", type=_comma_list, default=[], metavar="NAMES",
+                   help="comma-separated model names requests may use (reported as aliases); the first is the "
+                        "public model id unless --model-id is given")
+    g.add_argument("--jinja", action="store_true",
+                   help="accepted for llama-server scripts: chat templates are always Jinja")
+    g.add_argument("--tags", type=_comma_list, default=[], metavar="TAGS",
+                   help="comma-separated informational model tags (reported by /v1/models)")
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -292,10 +336,14 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
     log_path = getattr(a, "request_log_jsonl", None)
     if getattr(a, "request_log_max_mib", 0) and not log_path:
         raise ValueError("--request-log-max-mib requires --request-log-jsonl")
+    hosts = _comma_list(a.host) or ["127.0.0.1"]
+    if len(set(hosts)) != len(hosts):
+        raise ValueError(f"--host {a.host}: an address is listed twice")
     return ServeOptions(
-        artifact=a.artifact, host=a.host, port=a.port, stats_port=getattr(a, "stats_port", None),
+        artifact=a.artifact, host=hosts[0], hosts=hosts, port=a.port, stats_port=getattr(a, "stats_port", None),
         api_key=a.api_key, model_id=a.model_id,
-        cors=a.cors, chat_template=a.chat_template, no_thinking=a.no_thinking,
+        cors=a.cors or bool(getattr(a, "cors_origins", None)), chat_template=a.chat_template,
+        no_thinking=a.no_thinking,
         preserve_thinking=a.preserve_thinking, max_request_mib=a.max_request_mib,
         log_level=a.log_level, usage_chunk_choice=a.usage_chunk_choice, plugins=list(a.plugin),
         response_store_max_records=getattr(a, "response_store_max_records", 1024),
@@ -305,5 +353,8 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         request_log_keep=getattr(a, "request_log_keep", 4),
         spec=getattr(a, "spec", None),
         engine=eng, thinking=thinking_options_from_args(a, a.no_thinking),
+        cors_origins=_origins(getattr(a, "cors_origins", None)), no_slots=getattr(a, "no_slots", False),
+        accept_any_model=getattr(a, "accept_any_model", False), aliases=list(getattr(a, "alias", []) or []),
+        tags=list(getattr(a, "tags", []) or []),
     )
 

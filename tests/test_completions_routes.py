@@ -67,8 +67,11 @@ def test_prompt_shapes(app):
     for prompt in (ids, [ids], [PROMPT], [ids[0], qwen_tokenizer().decode(ids[1:])]):
         body = post(client, prompt=prompt, echo=True).json()
         assert body["choices"][0]["text"] == PROMPT + OUTPUT, prompt
-    assert_error(post(client, prompt=[PROMPT, PROMPT]), 400, "multiple_prompts_not_supported", "prompt")
-    assert_error(post(client, prompt=[ids, ids]), 400, "multiple_prompts_not_supported", "prompt")
+    # a batch: one choice per prompt, in order, usage summed (llama.cpp's multiple prompts)
+    for prompt in ([PROMPT, PROMPT], [ids, ids], [{"prompt_string": PROMPT}, ids]):
+        body = post(client, prompt=prompt, echo=True).json()
+        assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, PROMPT + OUTPUT), (1, PROMPT + OUTPUT)]
+        assert body["usage"]["prompt_tokens"] == 2 * len(ids)
     assert_idle(engine)
 
 
@@ -115,7 +118,7 @@ def test_accepted_values(app):
 
 
 BAD = [
-    ({"n": 2}, 400, "n_not_supported", "n"),
+    ({"n": 200}, 400, "invalid_value", "n"),
     ({"n": 0}, 400, "invalid_value", "n"),
     ({"best_of": 3}, 400, "best_of_not_supported", "best_of"),
     ({"best_of": 0}, 400, "invalid_value", "best_of"),
@@ -136,7 +139,8 @@ BAD = [
     ({"stop": ["x"] * 33}, 400, "invalid_value", "stop"),
     ({"tfs_z": 0.5}, 400, "tfs_z_not_supported", "tfs_z"),
     ({"grammar": "root ::= x"}, 400, "grammar_not_supported", "grammar"),
-    ({"logit_bias": {"11": -100}}, 400, "logit_bias_not_supported", "logit_bias"),
+    ({"logit_bias": {"11": -100.5}}, 400, "invalid_value", "logit_bias[11]"),
+    ({"logit_bias": {"x": False, "11": "y"}}, 400, "invalid_type", "logit_bias[11]"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
      "response_format_not_supported", "response_format"),
     ({"top_p": 0}, 200, None, None),
@@ -259,4 +263,21 @@ def test_stream_timings_per_token(app):
     assert "timings" in events[-2]  # the engine's own on the finish chunk
     plain = sse(post(client, stream=True).text)
     assert all("timings" not in e for e in plain[:-2])
+    assert_idle(engine)
+
+
+def test_n_completions_per_prompt(app):
+    """OpenAI's n (llama.cpp's n_cmpl): choice i * n + j is the j-th completion of prompt i."""
+    client, _, engine, _ = app
+    body = post(client, prompt=[PROMPT, PROMPT], n=2, max_tokens=3).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 12
+    llama = client.post("/completion", json={"prompt": PROMPT, "n_cmpl": 3, "n_predict": 2}).json()
+    assert [o["index"] for o in llama] == [0, 1, 2]
+    seeds = {o["generation_settings"]["seed"] for o in client.post(
+        "/completion", json={"prompt": PROMPT, "n_cmpl": 3, "n_predict": 1, "seed": 5}).json()}
+    assert seeds == {5, 6, 7}  # each copy draws from its own seed
+    assert_error(client.post("/completion", json={"prompt": PROMPT, "n_cmpl": 0}), 400, "invalid_value", "n_cmpl")
+    assert_error(client.post("/completion", json={"prompt": [PROMPT] * 65, "n_cmpl": 2}), 400, "invalid_value",
+                 "n_cmpl")
     assert_idle(engine)

@@ -122,14 +122,18 @@ BAD_PROMPTS = [
     ({}, "missing_required_parameter", "prompt"),
     ({"prompt": None}, "missing_required_parameter", "prompt"),
     ({"prompt": 5}, "invalid_type", "prompt"),
-    ({"prompt": {"text": "x"}}, "invalid_type", "prompt"),
+    ({"prompt": {"text": "x"}}, "missing_required_parameter", "prompt.prompt_string"),
+    ({"prompt": {"prompt_string": 5}}, "invalid_type", "prompt.prompt_string"),
+    ({"prompt": {"prompt_string": "x", "multimodal_data": "abc"}}, "invalid_type", "prompt.multimodal_data"),
+    ({"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}, "vision_disabled", "prompt.multimodal_data"),
     ({"prompt": []}, "invalid_value", "prompt"),
     ({"prompt": [[]]}, "invalid_value", "prompt[0]"),
     ({"prompt": [True]}, "invalid_type", "prompt[0]"),
     ({"prompt": ""}, "invalid_value", "prompt"),
-    ({"prompt": ["a", "b"]}, "multiple_prompts_not_supported", "prompt"),
-    ({"prompt": [[1, 2], [3]]}, "multiple_prompts_not_supported", "prompt"),
-    ({"prompt": [[1, 2], "x"]}, "multiple_prompts_not_supported", "prompt"),
+    ({"prompt": ["a", ""]}, "invalid_value", "prompt[1]"),
+    ({"prompt": [[1, 2], [3, True]]}, "invalid_type", "prompt[1][1]"),
+    ({"prompt": [[1, 2], [[3]]]}, "invalid_type", "prompt[1][0]"),
+    ({"prompt": ["x"] * 129}, "invalid_value", "prompt"),
     ({"prompt": [1, {"a": 1}]}, "invalid_type", "prompt[1]"),
     ({"prompt": [1, 10**9]}, "invalid_value", "prompt[1]"),
     ({"prompt": [-1]}, "invalid_value", "prompt[0]"),
@@ -147,10 +151,10 @@ def test_bad_prompts(app, body, code, param):
 
 
 NOT_NEUTRAL = {"repeat_penalty": 1.1, "typical_p": 0.9, "tfs_z": 0.5, "dynatemp_range": 0.5, "mirostat": 2,
-               "xtc_probability": 0.1, "dry_multiplier": 0.8, "top_n_sigma": 1.0, "n_probs": 5, "n_indent": 2,
+               "xtc_probability": 0.1, "dry_multiplier": 0.8, "top_n_sigma": 1.0, "n_indent": 2,
                "t_max_predict_ms": 100}
 NEUTRAL = {"repeat_penalty": 1, "typical_p": 1.0, "tfs_z": 1.0, "dynatemp_range": 0, "mirostat": 0,
-           "xtc_probability": 0.0, "dry_multiplier": 0, "top_n_sigma": -1, "n_probs": 0, "n_indent": 0,
+           "xtc_probability": 0.0, "dry_multiplier": 0, "top_n_sigma": -1, "n_indent": 0,
            "t_max_predict_ms": 0}
 
 
@@ -191,10 +195,15 @@ BAD_FIELDS = [
     ({"grammar": 5}, "invalid_type", "grammar"),
     ({"lora": [{"id": 0, "scale": 1.0}]}, "lora_not_supported", "lora"),
     ({"lora": "x"}, "invalid_type", "lora"),
-    ({"logit_bias": {"11": 2.0}}, "logit_bias_not_supported", "logit_bias"),
-    ({"logit_bias": [[11, False]]}, "logit_bias_not_supported", "logit_bias"),
-    ({"logit_bias": [[11, -1]]}, "logit_bias_not_supported", "logit_bias"),
+    ({"logit_bias": {"11": 101}}, "invalid_value", "logit_bias[11]"),
+    ({"logit_bias": [[11, True]]}, "invalid_type", "logit_bias[0][1]"),
+    ({"logit_bias": [[10**9, -1]]}, "invalid_value", "logit_bias[0][0]"),
+    ({"logit_bias": [["", -1]]}, "invalid_value", "logit_bias[0][0]"),
+    ({"logit_bias": [[None, -1]]}, "invalid_type", "logit_bias[0][0]"),
     ({"logit_bias": [11]}, "invalid_type", "logit_bias[0]"),
+    ({"n_probs": 21}, "invalid_value", "n_probs"),
+    ({"n_probs": -1}, "invalid_value", "n_probs"),
+    ({"post_sampling_probs": "yes"}, "invalid_type", "post_sampling_probs"),
     ({"logit_bias": {"11": "x"}}, "invalid_type", "logit_bias[11]"),
     ({"logit_bias": 3}, "invalid_type", "logit_bias"),
     ({"json_schema": {}}, "json_schema_not_supported", "json_schema"),
@@ -356,4 +365,51 @@ def test_overload_is_429_and_releases(raw_app):
     assert ctx.ingress.admitted == 0
     assert_error(post(client, prompt=""), 400, "invalid_value", "prompt")
     assert ctx.ingress.admitted == 0  # a refused request gives its unit back
+    assert_idle(engine)
+
+
+# -- batches of prompts (llama.cpp: one result per prompt) -------------------------------------------
+
+def test_batch_answers_an_array_in_prompt_order(raw_app):
+    client, _, engine, _ = raw_app(policy=script({PROMPT: OUTPUT, "<|im_start|>user\nHi": "Hello!"}),
+                                   engine_options={"max_concurrency": 2})
+    hi = qwen_tokenizer().encode("<|im_start|>user\nHi")
+    body = post(client, prompt=[PROMPT, hi, {"prompt_string": PROMPT}], response_fields=["index", "content"]).json()
+    assert body == [{"index": 0, "content": OUTPUT}, {"index": 1, "content": "Hello!"},
+                    {"index": 2, "content": OUTPUT}]
+    # a one-prompt batch answers like that prompt alone
+    one = post(client, prompt=[PROMPT]).json()
+    assert isinstance(one, dict) and one["content"] == OUTPUT and one["index"] == 0
+    events = sse(post(client, prompt=[PROMPT, hi], stream=True).text)
+    finals = [e for e in events if e["stop"]]
+    assert sorted(e["index"] for e in finals) == [0, 1]
+    assert "".join(e["content"] for e in events if e["index"] == 1) == "Hello!"
+    assert_idle(engine)
+
+
+def test_batch_failure_cancels_the_other_prompts(raw_app):
+    client, _, engine, _ = raw_app(policy=script({PROMPT: OUTPUT}))
+    too_long = [11] * 3000
+    assert_error(post(client, prompt=[PROMPT, too_long]), 400, "context_length_exceeded", "prompt[1]")
+    assert_idle(engine)
+    # one lane: prompt 1 is submitted after the stream started, so its refusal ends the stream
+    events = sse(post(client, prompt=[PROMPT, too_long], stream=True, n_predict=4).text)
+    assert events[-1]["error"]["code"] == "context_length_exceeded" and events[-1]["error"]["param"] == "prompt[1]"
+    assert_idle(engine)
+    assert post(client).json()["content"] == OUTPUT
+
+
+def test_n_probs_with_the_toy_model(app):
+    client, _, engine, _ = app
+    tok = qwen_tokenizer()
+    body = post(client, n_probs=2, temperature=0, return_tokens=True).json()
+    probs = body["completion_probabilities"]
+    end = tok.token_to_id("<|im_end|>")
+    # the engine records no probabilities for the stop token (llama.cpp lists it too)
+    assert body["tokens"][-1] == end and [p["id"] for p in probs] == body["tokens"][:-1]
+    assert all(len(p["top_logprobs"]) == 2 and p["top_logprobs"][0]["id"] == p["id"] for p in probs)
+    alternatives = [t for p in probs for t in p["top_logprobs"][1:]]
+    assert all(t["token"] == "" and t["bytes"] == [] for t in alternatives if tok.is_special(t["id"]))
+    post_body = post(client, n_probs=2, post_sampling_probs=True, temperature=0).json()
+    assert all(p["prob"] == 1.0 for p in post_body["completion_probabilities"])
     assert_idle(engine)

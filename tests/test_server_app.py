@@ -72,7 +72,7 @@ def test_doubled_v1_prefix(make_app):
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
     _check_envelope(client.post("/v1/v1/chat/completions", json={"messages": []}), 400, "invalid_value",
                     param="messages")
-    assert client.get("/v1/v1/health").status_code == 404  # only /v1/... paths are doubled
+    assert client.get("/v1/v1/props").status_code == 404  # only /v1/... paths are doubled
 
 
 @pytest.mark.parametrize("headers,ok", [
@@ -97,6 +97,7 @@ def test_api_key(make_app, headers, ok):
 def test_api_key_exemptions(make_app):
     client, _, _ = make_app(api_key="sekret")
     assert client.get("/health").status_code == 200
+    assert client.get("/v1/health").json()["status"] == "ok"  # llama-server's public second spelling
     for path in ("/v1/load", "/props", "/v1", "/v1/models/test-model"):
         assert client.get(path).status_code == 401
     _check_envelope(client.post("/v1/chat/completions", json=HI), 401, "invalid_api_key")
@@ -111,13 +112,15 @@ def test_cors(make_app):
     pre = client.options("/v1/chat/completions", headers={
         "Origin": "http://ui.test", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "Authorization, X-Conversation-Id"})
-    assert pre.status_code == 204
-    assert pre.headers["access-control-allow-origin"] == "*"
+    # llama-server's preflight: 200, the Origin reflected, credentials allowed
+    assert pre.status_code == 200 and pre.content == b""
+    assert pre.headers["access-control-allow-origin"] == "http://ui.test"
+    assert pre.headers["access-control-allow-credentials"] == "true"
     allowed = pre.headers["access-control-allow-headers"]
     assert "x-conversation-id" in allowed and "authorization" in allowed
     assert pre.headers["x-ninfer-version"]
     r = client.get("/v1/models", headers={"Origin": "http://ui.test", "Authorization": "Bearer k"})
-    assert r.headers["access-control-allow-origin"] == "*"
+    assert r.headers["access-control-allow-origin"] == "http://ui.test" and r.headers["vary"] == "Origin"
     assert "x-request-id" in r.headers["access-control-expose-headers"]
     # Without an Origin the headers are not added; without --cors never.
     assert "access-control-allow-origin" not in client.get("/health").headers

@@ -95,7 +95,9 @@ BAD = [
     ({"n": 0}, 400, "invalid_value", "n"),
     ({"stream": "yes"}, 400, "invalid_type", "stream"),
     ({"stream_options": {"include_usage": "yes"}}, 400, "invalid_type", "stream_options.include_usage"),
-    ({"logit_bias": {"10": 0, "11": -3}}, 400, "logit_bias_not_supported", "logit_bias"),
+    ({"logit_bias": {"10": 0, "11": -300}}, 400, "invalid_value", "logit_bias[11]"),
+    ({"logit_bias": {"10": True}}, 400, "invalid_type", "logit_bias[10]"),
+    ({"logit_bias": [[10**9, 1]]}, 400, "invalid_value", "logit_bias[0][0]"),
     ({"logit_bias": {"10": "x"}}, 400, "invalid_type", "logit_bias[10]"),
     ({"logprobs": "yes"}, 400, "invalid_type", "logprobs"),
     ({"top_logprobs": 3, "logprobs": False}, 400, "invalid_value", "top_logprobs"),
@@ -420,7 +422,7 @@ def test_stream_chunk_sequence(make_app):
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len({c["id"] for c in chunks}) == 1
-    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None,
                                      "finish_reason": None}]
     deltas = [c["choices"][0]["delta"] for c in chunks[1:-2]]
     assert deltas == [{"reasoning_content": "Let me think."}, {"content": "Hello"}, {"content": " there."}]

@@ -38,6 +38,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None  # signed 64-bit; None draws a fresh one
     greedy: bool = False  # exact argmax (also implied by temperature == 0)
+    # token id -> additive bias on its logit (float("-inf") bans it: llama.cpp's `false`); applied
+    # before penalties, temperature and the filters, and to greedy rows too (sampler.apply_logit_adjustments)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,11 +128,15 @@ class EngineEvent:
 @dataclass
 class TokenLogprob:
     """A sampled token's log probability and the most likely alternatives at its position
-    (log-softmax over the whole vocabulary of the penalised logits / temperature; 1 when greedy)."""
+    (log-softmax over the whole vocabulary of the biased, penalised logits / temperature; 1 when
+    greedy), and the same after the sampler's top_k / top_p / min_p filters (llama.cpp's
+    post_sampling_probs: probabilities renormalised over the surviving candidates)."""
 
     token_id: int
     logprob: float  # -9999.0 when the token is outside the position's 20 most likely
     top: list[tuple[int, float]] = field(default_factory=list)  # descending
+    post_prob: float = 0.0  # the token's probability among the filtered candidates (1 when greedy)
+    post_top: list[tuple[int, float]] = field(default_factory=list)  # (id, probability), descending, <= k
 
 
 class RequestHandle(Protocol):

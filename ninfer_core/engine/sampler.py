@@ -1,5 +1,6 @@
 """Token selection: exact argmax, or penalties, temperature and the top-k / top-p / min-p filters
-over the 20 most likely candidates, then a per-request draw.
+over the 20 most likely candidates, then a per-request draw. A request's logit_bias applies before
+either (`apply_logit_adjustments`).
 
 Every sampling request owns a stream of uniform numbers seeded from its signed 64-bit seed
 (`UniformStream`, on the host) and spends one number per output position, whichever way the
@@ -70,6 +71,7 @@ class SamplerState:
     greedy: bool = False
     counts: dict[int, int] = field(default_factory=dict)
     stream: UniformStream | None = None
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (ids, values) on device
 
     @classmethod
     def create(cls, params: SamplingParams, *, force_greedy: bool = False,
@@ -95,6 +97,18 @@ class SamplerState:
             self.stream = UniformStream(self.seed)
         return self.stream
 
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.params.logit_bias)
+
+    def bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logit_bias as (ids, values) on `device`, built once per request."""
+        if self._bias is None or self._bias[0].device != device:
+            bias = self.params.logit_bias
+            self._bias = (torch.tensor(list(bias), device=device, dtype=torch.long),
+                          torch.tensor(list(bias.values()), device=device, dtype=torch.float32))
+        return self._bias
+
     def observe(self, token_id: int) -> None:
         """Count a committed output token (penalties apply to generated tokens only)."""
         if self.has_penalties:
@@ -110,10 +124,20 @@ class SamplerState:
         return out
 
 
-def _penalised(x: torch.Tensor, state: SamplerState, counts: dict[int, int] | None) -> torch.Tensor:
-    """Row `x` [vocab] (fp32, a copy) after the presence/frequency penalties of `counts`."""
+def apply_logit_adjustments(x: torch.Tensor, state: SamplerState, penalties: bool = True,
+                            counts: dict[int, int] | None = None) -> torch.Tensor:
+    """Add the request's logit_bias to one row `x` [vocab] (fp32, modified in place) and, with
+    `penalties`, subtract its presence/frequency penalties over `counts` (default: the generated
+    tokens; a verify position passes the counts with the drafts before it).
+
+    Every path that reads a request's logits goes through here (the draw, the greedy argmax, the
+    reported log probabilities, verification), so they see the same distribution. Greedy passes
+    penalties=False: it is the exact argmax of the model's logits, bias included."""
+    if state.has_bias:
+        ids, values = state.bias_tensors(x.device)
+        x[ids] += values.to(x.dtype)
     counts = state.counts if counts is None else counts
-    if state.has_penalties and counts:
+    if penalties and state.has_penalties and counts:
         ids = torch.tensor(list(counts), device=x.device)
         n = torch.tensor(list(counts.values()), device=x.device, dtype=x.dtype)
         x[ids] -= state.params.presence_penalty + state.params.frequency_penalty * n
@@ -127,7 +151,7 @@ def filtered_probs(logits: torch.Tensor, states: list[SamplerState], counts: lis
     device = logits.device
     x = logits.float().clone()  # [B, vocab]
     for row, s in enumerate(states):
-        _penalised(x[row], s, None if counts is None else counts[row])
+        apply_logit_adjustments(x[row], s, True, None if counts is None else counts[row])
     k = min(CANDIDATES, x.shape[-1])
     vals, ids = x.topk(k, dim=-1)  # [B, k], sorted descending
 
@@ -164,7 +188,13 @@ def pick_tokens(logits: torch.Tensor, states: list[SamplerState], uniforms: list
     greedy = [i for i, s in enumerate(states) if s.greedy]
     drawn = [i for i, s in enumerate(states) if not s.greedy]
     if greedy:
-        for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+        rows = logits[greedy]
+        biased = [j for j, i in enumerate(greedy) if states[i].has_bias]
+        if biased:  # only rows with a bias pay for fp32 (the indexing above already copied)
+            rows = rows.float()
+            for j in biased:
+                apply_logit_adjustments(rows[j], states[greedy[j]], penalties=False)
+        for i, t in zip(greedy, rows.argmax(dim=-1).tolist()):
             out[i] = t
     if drawn:
         probs, ids = filtered_probs(logits[drawn], [states[i] for i in drawn],
@@ -201,27 +231,59 @@ def accept_with_residual(p_probs: torch.Tensor, p_ids: torch.Tensor, draft: int,
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a sampled token outside its position's top 20
 
 
+def filtered_candidates(x: torch.Tensor, state: SamplerState,
+                        top: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], list[float]]:
+    """The distribution a drawn row samples from: candidate ids and probabilities after the
+    temperature and the top_k / top_p / min_p filters, renormalised; `x` [vocab] is the adjusted
+    row (`apply_logit_adjustments`) of a row that is not greedy. Descending; filtered-out
+    candidates are left out.
+
+    The same steps as `filtered_probs`, for one row: kept apart so reporting never touches the
+    draw. `top` is `x.topk(CANDIDATES)` when the caller has it."""
+    k = min(CANDIDATES, x.shape[-1])
+    vals, ids = top if top is not None else x.topk(k)  # [k], descending
+    probs = torch.softmax(vals / state.params.temperature, dim=-1)
+    probs = probs * (torch.arange(k, device=x.device) < state.top_k)
+    probs = probs / probs.sum()
+    before = probs.cumsum(-1) - probs
+    probs = probs * (before < state.params.top_p)
+    probs = probs * (probs >= state.params.min_p * probs[0])
+    total = float(probs.sum())
+    if not total > 0:  # top_p 0 keeps no mass: the draw then takes the first candidate
+        return [int(ids[0])], [1.0]
+    probs = probs / total
+    keep = probs > 0
+    return ids[keep].tolist(), probs[keep].tolist()
+
+
 def token_logprobs(logits: torch.Tensor, states: list[SamplerState], tokens: list[int],
                    ks: list[int], counts: list | None = None) -> list:
     """TokenLogprob per row for the tokens just picked (call before `observe`).
 
-    Values: the logits after the presence/frequency penalties, divided by the temperature (1 for
-    greedy), log-softmaxed over the whole vocabulary; top_k/top_p/min_p do not change them. A token
-    outside the position's 20 most likely reports LOGPROB_FLOOR."""
+    Values: the logits after the logit_bias and the presence/frequency penalties (`counts[row]`:
+    a verify position's counts), divided by the temperature (1 for greedy), log-softmaxed over the
+    whole vocabulary; top_k/top_p/min_p do not change them. A token outside the position's 20 most
+    likely reports LOGPROB_FLOOR; a token the bias bans never appears among the alternatives.
+    `post_prob` / `post_top` are the same position after the filters (`filtered_candidates`)."""
     from ninfer_core.engine.api import TokenLogprob
 
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
     out = []
     for row, (s, token, k) in enumerate(zip(states, tokens, ks)):
-        x = _penalised(logits[row].float().clone(), s, None if counts is None else counts[row])  # [vocab]
+        x = apply_logit_adjustments(logits[row].float().clone(), s, True,
+                                    None if counts is None else counts[row])  # [vocab]
+        n = min(CANDIDATES, x.shape[-1])
+        top = x.topk(n)  # the log-softmax keeps this order: one top-k serves both distributions
+        # a greedy row's distribution after sampling is its pick alone
+        post = [(int(token), 1.0)] if s.greedy else list(zip(*filtered_candidates(x, s, top)))
         if not s.greedy and s.params.temperature > 0:
             x = x / s.params.temperature
         lp = torch.log_softmax(x, dim=-1)
-        n = min(CANDIDATES, lp.shape[-1])
-        vals, ids = lp.topk(n)
-        vals, ids = vals.tolist(), ids.tolist()
-        chosen = float(lp[token]) if token in ids else LOGPROB_FLOOR
-        top = list(zip(ids[: max(0, min(k, n))], vals[: max(0, min(k, n))]))
-        out.append(TokenLogprob(int(token), chosen, top))
+        ids = top.indices
+        vals, ids = lp[ids].tolist(), ids.tolist()
+        finite = [(i, v) for i, v in zip(ids, vals) if v != float("-inf")]
+        chosen = float(lp[token]) if token in ids and float(lp[token]) != float("-inf") else LOGPROB_FLOOR
+        m = max(0, min(k, n))
+        out.append(TokenLogprob(int(token), chosen, finite[:m], dict(post).get(int(token), 0.0), post[:m]))
     return out

@@ -73,11 +73,13 @@ class ThinkingControl:
         return False
 
     def switch_sampler(self, sampler: SamplerState, force_greedy: bool) -> SamplerState:
-        """The post-thinking sampler (counts carried over; an omitted seed continues the stream)."""
+        """The post-thinking sampler (counts and logit_bias carried over; an omitted seed continues the stream)."""
         params = self.post_thinking
         if params is None:
             return sampler
         self.switched = True
+        if not params.logit_bias and sampler.params.logit_bias:  # the request's bias holds in both phases
+            params = replace(params, logit_bias=sampler.params.logit_bias)
         if params.seed is None:
             params = replace(params, seed=sampler.seed)
             new = SamplerState.create(params, force_greedy=force_greedy)

@@ -3,9 +3,11 @@
 A raw prompt continues without a chat template (raw_prompt.py holds the checks both raw routes
 share). The response is llama.cpp's object (content, tokens, stop, stop_type, stopping_word,
 tokens_predicted, tokens_evaluated, tokens_cached, prompt, generation_settings, has_new_line,
-truncated, id_slot, model, timings), cut to `response_fields` when the request names them. A stream
-sends one event per piece of content with the running tokens_predicted, then the full object with
-an empty content, and no [DONE].
+truncated, id_slot, model, timings; completion_probabilities with n_probs), cut to
+`response_fields` when the request names them. A stream sends one event per piece of content with
+the running tokens_predicted (and that piece's completion_probabilities), then the full object with
+an empty content, and no [DONE]. A batch of prompts answers an array of those objects, each with
+its `index`, or streams their events interleaved (raw_batch.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
-from ninfer_core.engine.api import EngineEvent
+from ninfer_core.engine.api import EngineEvent, TokenLogprob
+from ninfer_core.protocols.llamacpp_objects import final_object, partial_object
+from ninfer_core.protocols.raw_batch import ErrorFrame, RawBatch
 from ninfer_core.protocols.raw_prompt import (
     RawCompletionFields,
     RawPlan,
@@ -33,7 +37,13 @@ from ninfer_core.protocols.raw_submit import (
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop, internal_error
+from ninfer_core.server.errors import (
+    bad_request,
+    engine_error_body,
+    internal_error,
+    parse_json_body,
+    parse_off_loop,
+)
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
@@ -45,14 +55,10 @@ from ninfer_core.server.sse import (
 
 log = logging.getLogger("ninfer.server")
 
-# A request the context cache did not retain (cache_prompt false, --no-prefix-reuse) is in no slot:
-# -1 is llama.cpp's "any slot", which a client echoing it back as id_slot leaves without effect.
-NO_SLOT = -1
-STOP_TYPES = {"eos": "eos", "stop_string": "word", "max_tokens": "limit", "context": "limit"}
-
-
 class LlamaCompletionRequest(RawCompletionFields):
     n_predict: int | None = None  # first; then max_tokens. Any negative value: no limit
+    n_cmpl: int | None = None  # completions per prompt (llama.cpp also reads OpenAI's n)
+    n: int | None = None
     json_schema: Any = None
     return_tokens: bool | None = None
     return_progress: bool | None = None
@@ -65,6 +71,30 @@ class LlamaPlan:
         self.return_tokens = bool(req.return_tokens)
         self.return_progress = bool(req.return_progress)
         self.response_fields = req.response_fields
+        self.n_probs = raw.n_probs
+        self.post_sampling = raw.post_sampling_probs
+
+
+def _piece(tokenizer: Any, token_id: int) -> dict:
+    """llama.cpp's token entry: id, its text and bytes; special tokens write no text (the server's
+    --special off), and bytes that end inside a UTF-8 sequence are left out of `token`."""
+    raw = b"" if tokenizer.is_special(token_id) else tokenizer.token_bytes(token_id)
+    return {"id": token_id, "token": raw.decode("utf-8", errors="ignore"), "bytes": list(raw)}
+
+
+def probabilities_json(tokenizer: Any, records: list[TokenLogprob] | None, post_sampling: bool) -> list[dict]:
+    """llama.cpp's completion_probabilities: per generated token its id, token, bytes, logprob and
+    top_logprobs, or with post_sampling_probs its prob and top_probs (after top_k / top_p / min_p,
+    possibly fewer than n_probs)."""
+    out = []
+    for r in records or ():
+        if post_sampling:
+            out.append({**_piece(tokenizer, r.token_id), "prob": r.post_prob,
+                        "top_probs": [{**_piece(tokenizer, i), "prob": p} for i, p in r.post_top]})
+        else:
+            out.append({**_piece(tokenizer, r.token_id), "logprob": r.logprob,
+                        "top_logprobs": [{**_piece(tokenizer, i), "logprob": lp} for i, lp in r.top]})
+    return out
 
 
 def validate_body(raw: bytes, ctx: ServerContext) -> LlamaPlan:
@@ -83,13 +113,11 @@ def validate_body(raw: bytes, ctx: ServerContext) -> LlamaPlan:
         if not name:
             raise bad_request("invalid_value", "response_fields names must be non-empty.",
                               f"response_fields.{i}")
-    return LlamaPlan(check_fields(req, ctx, limit, negative_is_unlimited=True, limit_param=param), req)
-
-
-def _slot(ev: EngineEvent) -> int:
-    """The /slots cell the finished session was retained under (the context cache's report)."""
-    slot = (getattr(ev, "context", None) or {}).get("id_slot")
-    return slot if isinstance(slot, int) else NO_SLOT
+    copies, copies_param = (req.n_cmpl, "n_cmpl") if req.n_cmpl is not None else (req.n, "n")
+    if copies is not None and copies < 1:
+        raise bad_request("invalid_value", f"{copies_param} must be at least 1.", copies_param)
+    return LlamaPlan(check_fields(req, ctx, limit, negative_is_unlimited=True, limit_param=param,
+                                  copies=copies or 1, copies_param=copies_param), req)
 
 
 def select_fields(obj: dict, names: list[str] | None) -> dict:
@@ -124,7 +152,10 @@ class LlamaCompletion:
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         raw = await request.body()
         plan = await parse_off_loop(raw, validate_body, ctx)
-        sub = await submit_raw(request, ctx, plan.raw)
+        logprobs = plan.n_probs or None
+        if plan.raw.batch:
+            return await self._batch(request, ctx, plan, logprobs)
+        sub = await submit_raw(request, ctx, plan.raw, logprobs)
         if plan.raw.stream:
             return EventStreamResponse(self._stream(ctx, plan, sub), on_disconnect=sub.handle.cancel,
                                        on_close=sub.release)
@@ -136,37 +167,47 @@ class LlamaCompletion:
             sub.release()
         return JSONResponse(select_fields(obj, plan.response_fields))
 
-    def _final(self, ctx: ServerContext, plan: LlamaPlan, sub: RawSubmission, ev: EngineEvent, content: str,
-               ids: list[int], prompt_text: str) -> dict:
-        u = ev.usage
-        stop_type = STOP_TYPES.get(ev.stop_reason or "", "none")
-        return {
-            "index": 0, "content": content, "tokens": list(ids) if plan.return_tokens else [],
-            "id_slot": _slot(ev), "stop": True, "model": ctx.model.id,
-            "tokens_predicted": u.completion_tokens if u else len(ids),
-            "tokens_evaluated": u.prompt_tokens if u else len(sub.prompt_ids),
-            "generation_settings": settings_dict(ctx, plan.raw, sub.sampling, sub.n_predict),
-            "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,
-            "stop_type": stop_type, "stopping_word": (ev.matched_stop or "") if stop_type == "word" else "",
-            "tokens_cached": u.cached_tokens if u else 0, "timings": ev.timings or {},
-        }
+    async def _batch(self, request: Request, ctx: ServerContext, plan: LlamaPlan, logprobs: int | None) -> Response:
+        """Several prompts: an array of result objects (each with its index), or one stream of them."""
+        batch = RawBatch(request, ctx, plan.raw, logprobs)
+        await batch.open()
+        if plan.raw.stream:
+            return EventStreamResponse(batch.merged(lambda sub: self._stream(ctx, plan, sub), ctx.keepalive_s),
+                                       on_disconnect=batch.cancel, on_close=batch.release)
+        try:
+            objs = await unless_disconnected(
+                request, batch.gather(lambda sub: self._aggregate(ctx, plan, sub)), batch.cancel)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            batch.release()
+        return JSONResponse([select_fields(obj, plan.response_fields) for obj in objs])
 
-    def _prompt_text(self, ctx: ServerContext, sub: RawSubmission) -> str:
-        return ctx.tokenizer.decode(sub.prompt_ids, skip_special=False)
+    def _final(self, ctx: ServerContext, plan: LlamaPlan, sub: RawSubmission, ev: EngineEvent, content: str,
+               ids: list[int], probs: list | None = None) -> dict:
+        obj = final_object(ctx, ev, index=sub.index, content=content, ids=ids, return_tokens=plan.return_tokens,
+                           prompt_ids=sub.prompt_ids,
+                           settings=settings_dict(ctx, plan.raw, sub.sampling, sub.n_predict))
+        if probs is not None:  # aggregate only: a stream's chunks carried them
+            obj["completion_probabilities"] = probabilities_json(ctx.tokenizer, probs, plan.post_sampling)
+        return obj
 
     async def _aggregate(self, ctx: ServerContext, plan: LlamaPlan, sub: RawSubmission) -> dict:
         texts: list[str] = []
         ids: list[int] = []
+        probs: list[TokenLogprob] | None = [] if plan.n_probs else None
         async for ev in sub.handle.events():
             if ev.kind == "delta":
                 texts.append(ev.text)
                 ids.extend(ev.token_ids)
+                if probs is not None:
+                    probs.extend(ev.logprobs or ())
             elif ev.kind == "error":
                 raise ev.error
             elif ev.kind == "finish":
                 if ev.finish_reason == "cancelled":
                     raise cancelled_error()
-                return self._final(ctx, plan, sub, ev, "".join(texts), ids, self._prompt_text(ctx, sub))
+                return self._final(ctx, plan, sub, ev, "".join(texts), ids, probs)
         raise unfinished_error()
 
     async def _stream(self, ctx: ServerContext, plan: LlamaPlan, sub: RawSubmission) -> AsyncIterator[str]:
@@ -176,8 +217,7 @@ class LlamaCompletion:
         progress_done = False
 
         def chunk(content: str, **extra: Any) -> str:
-            obj = {"index": 0, "content": content, "tokens": [], "stop": False, "id_slot": NO_SLOT,
-                   "tokens_predicted": len(ids), "tokens_evaluated": total}
+            obj = partial_object(index=sub.index, content=content, tokens_predicted=len(ids), tokens_evaluated=total)
             obj.update(extra)
             if plan.raw.timings_per_token:
                 obj["timings"] = live.snapshot()
@@ -204,25 +244,28 @@ class LlamaCompletion:
                             yield progress(total)
                         ids.extend(ev.token_ids)
                         live.tokens(len(ev.token_ids))
-                        if ev.text:
+                        if plan.n_probs and ev.logprobs:
+                            probs = probabilities_json(ctx.tokenizer, ev.logprobs, plan.post_sampling)
+                            yield chunk(ev.text, completion_probabilities=probs)
+                        elif ev.text:
                             yield chunk(ev.text)
                     elif ev.kind == "error":
-                        yield sse_data(engine_error_body(ev.error))
+                        yield ErrorFrame(sse_data(engine_error_body(ev.error)))
                         return
                     elif ev.kind == "finish":
                         if ev.finish_reason == "cancelled":
-                            yield sse_data(engine_error_body(cancelled_error()))
+                            yield ErrorFrame(sse_data(engine_error_body(cancelled_error())))
                             return
                         if plan.return_progress and not progress_done:
                             yield progress(total)
-                        final = self._final(ctx, plan, sub, ev, "", ids, self._prompt_text(ctx, sub))
+                        final = self._final(ctx, plan, sub, ev, "", ids)
                         yield sse_data(select_fields(final, plan.response_fields))
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event
             log.exception("completion stream failed")
-            yield sse_data(engine_error_body(internal_error(e)))
+            yield ErrorFrame(sse_data(engine_error_body(internal_error(e))))
             return
-        yield sse_data(engine_error_body(unfinished_error()))
+        yield ErrorFrame(sse_data(engine_error_body(unfinished_error())))
 
 
 PROTOCOL = LlamaCompletion()

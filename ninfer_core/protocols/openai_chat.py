@@ -22,9 +22,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
+from ninfer_core.protocols.llamacpp_objects import VerboseRecord
 from ninfer_core.protocols.openai_chat_request import ChatPlan, validate_body
-from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import engine_error_body, parse_off_loop, internal_error
+from ninfer_core.protocols.raw_prompt import generation_settings
+from ninfer_core.protocols.tokenize_routes import chat_input_tokens
+from ninfer_core.server.context import Ingress, ServerContext
+from ninfer_core.server.errors import engine_error_body, internal_error, parse_off_loop
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
 from ninfer_core.server.prepare import (
     PreparedPrompt,
@@ -73,15 +76,30 @@ def _cancelled_error() -> EngineError:
 
 
 class ChatCompletions:
-    """The protocol object the host mounts: `mount(router, ctx)` adds POST /v1/chat/completions."""
+    """The protocol object the host mounts: `mount(router, ctx)` adds POST /v1/chat/completions (also
+    /chat/completions) and the prompt-token count /v1/chat/completions/input_tokens."""
 
     name = "openai_chat"
 
     def mount(self, router: APIRouter, ctx: ServerContext) -> None:
+        eng = ctx.options.engine
+        counts = Ingress(eng.max_concurrency + eng.max_pending_requests)  # token counts: a capacity of their own
+
         async def chat_completions(request: Request) -> Response:
             return await self.handle(request, ctx)
 
-        router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+        async def input_tokens(request: Request) -> Response:
+            raw = await request.body()
+            release = counts.acquire()
+            try:
+                return JSONResponse(await anyio.to_thread.run_sync(chat_input_tokens, ctx, raw))
+            finally:
+                release()
+
+        # llama-server serves each route with and without the /v1 prefix
+        for prefix in ("/v1", ""):
+            router.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+            router.add_api_route(f"{prefix}/chat/completions/input_tokens", input_tokens, methods=["POST"])
 
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
@@ -120,6 +138,10 @@ class ChatCompletions:
         created = int(time.time())
         model_id = ctx.model.id
         out = _Output(ctx, plan, prompt, opener)
+        if plan.verbose:
+            out.verbose = VerboseRecord(ctx, prompt.ids, generation_settings(
+                ctx, sampling, int(getattr(handle, "max_tokens", None) or 0), stop=plan.stop,
+                ignore_eos=plan.ignore_eos, stream=plan.stream, n_probs=plan.logprobs or 0))
         if plan.stream:
             body = self._stream(ctx, handle, plan, out, cid, created, model_id)
             return EventStreamResponse(body, on_disconnect=handle.cancel, on_close=release)
@@ -140,6 +162,8 @@ class ChatCompletions:
                 out.counter.feed(ev.token_ids)
                 records += out.records(ev)
                 out.decoder.feed(ev.text)
+                if out.verbose is not None:
+                    out.verbose.feed(ev)
             elif ev.kind == "error":
                 raise ev.error
             elif ev.kind == "finish":
@@ -163,6 +187,8 @@ class ChatCompletions:
                           "usage": usage_dict(ev, out.counter.count)}
                 result["timings"] = ev.timings or {}
                 result.update(retained_session(ev))
+                if out.verbose is not None:
+                    result["__verbose"] = out.verbose.final(ev)
                 return result
         raise EngineError(500, "internal_error", "The engine ended the request without finishing it.",
                           type_="server_error")
@@ -194,7 +220,8 @@ class ChatCompletions:
                     n_calls += 1
                     result.append(chunk({"tool_calls": [entry]}, records=records if records else None))
 
-        yield chunk({"role": "assistant", "content": ""})
+        # the role chunk's content is null, as OpenAI's and llama-server's
+        yield chunk({"role": "assistant", "content": None})
         # Every event already delivered is turned into its chunks and written as one body part.
         parts: list[str] = []
         try:
@@ -206,6 +233,8 @@ class ChatCompletions:
                     for ev in batch:
                         if ev.kind == "delta":
                             out.counter.feed(ev.token_ids)
+                            if out.verbose is not None:
+                                out.verbose.feed(ev)
                             if want_logprobs:
                                 pending += out.records(ev)
                             chunks(out.decoder.feed(ev.text), parts)
@@ -223,8 +252,10 @@ class ChatCompletions:
                             finish = "tool_calls" if out.decoder.tool_calls else ev.finish_reason
                             records = pending if pending else None
                             timings = ev.timings or {}
+                            # llama-server puts __verbose on the first chunk of the final group
+                            verbose = {"__verbose": out.verbose.final(ev, streamed=True)} if out.verbose else {}
                             if include_usage:
-                                parts.append(chunk({}, finish, records=records))
+                                parts.append(chunk({}, finish, records=records, **verbose))
                                 choices = []
                                 if ctx.options.usage_chunk_choice:
                                     choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
@@ -234,7 +265,7 @@ class ChatCompletions:
                                                        "timings": timings, **retained_session(ev)}))
                             else:
                                 parts.append(chunk({}, finish, records=records, timings=timings,
-                                                   **retained_session(ev)))
+                                                   **retained_session(ev), **verbose))
                             parts.append(DONE)
                             yield "".join(parts)
                             return
@@ -283,6 +314,7 @@ class _Output:
                                      parallel_tool_calls=plan.parallel_tool_calls, forced_call=opener)
         self.counter = ReasoningTokenCounter(ctx.tokenizer, prompt.opens_reasoning)
         self.channel = LogprobChannel(ctx.tokenizer, prompt.opens_reasoning) if plan.logprobs is not None else None
+        self.verbose: VerboseRecord | None = None  # `verbose: true`
 
     def records(self, ev: EngineEvent) -> list[dict]:
         if self.channel is None:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer_core.engine.api import EngineError
+from ninfer_core.protocols.logit_bias import parse_logit_bias
 from ninfer_core.protocols.openai_models import CONSTRAINED_EXTENSIONS, ChatCompletionRequest, ChatMessage
+from ninfer_core.protocols.raw_prompt_input import vocab_limit
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.prepare import collapse_effort
@@ -49,6 +51,7 @@ class ChatPlan:
     thinking_budget: int | None = None
     post_thinking: dict[str, Any] | None = None
     effort_requested: str | None = None  # what the client named (logs)
+    verbose: bool = False  # llama.cpp's __verbose: the /completion-shaped object beside the response
 
 
 def validate_body(raw: bytes, ctx: ServerContext) -> "ChatPlan":
@@ -62,16 +65,14 @@ def validate_body(raw: bytes, ctx: ServerContext) -> "ChatPlan":
 def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
     """Field checks pydantic cannot express, capability rejections, and message normalisation."""
     model_id = ctx.model.id if ctx.model else None
-    if req.model not in (None, "") and req.model != model_id:
+    if req.model not in (None, "") and not ctx.serves_model(req.model):
         raise EngineError(404, "model_not_found", f"The model '{req.model}' does not exist; this server "
                           f"serves '{model_id}'.", param="model")
     if req.n is not None and req.n != 1:
         if req.n > 1:
             raise bad_request("n_not_supported", "Only n=1 is supported: one request produces one choice.", "n")
         raise bad_request("invalid_value", "n must be 1.", "n")
-    if req.logit_bias and any(v != 0 for v in req.logit_bias.values()):
-        raise bad_request("logit_bias_not_supported", "A nonzero logit_bias is not supported: the sampler "
-                          "cannot apply per-token biases.", "logit_bias")
+    logit_bias = parse_logit_bias(req.logit_bias, ctx.tokenizer, vocab_limit(ctx))
     if req.top_logprobs and not req.logprobs:
         raise bad_request("invalid_value", "top_logprobs needs logprobs: true.", "top_logprobs")
     if req.repetition_penalty is not None and req.repetition_penalty != 1:
@@ -122,8 +123,9 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
         derived_limit=limit == -1,
         stream=stream,
         include_usage=bool(stream and req.stream_options and req.stream_options.include_usage),
-        sampling_request={k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p",
-                                                        "presence_penalty", "frequency_penalty")},
+        sampling_request={**{k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                           "presence_penalty", "frequency_penalty")},
+                          "logit_bias": logit_bias},
         seed=req.seed,
         ignore_eos=bool(req.ignore_eos),
         forced_tool=forced,
@@ -133,6 +135,7 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
         thinking_budget=req.thinking_budget,
         post_thinking=req.post_thinking.model_dump() if req.post_thinking is not None else None,
         effort_requested=effort,
+        verbose=req.verbose is True,
     )
 
 

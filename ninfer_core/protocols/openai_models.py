@@ -92,7 +92,8 @@ class ChatCompletionRequest(_Wire):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Any = None  # OpenAI's map or llama.cpp's pairs: protocols/logit_bias.py
+    verbose: bool | None = None  # llama.cpp's __verbose
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None

@@ -1,6 +1,7 @@
 """Built-in protocol plugin: operational routes (health, API index, models, props, load).
 
-GET /health, GET /v1, GET /v1/models, GET /v1/models/{id}, GET /props, GET /v1/load and GET /metrics,
+GET /health, GET /v1, GET /v1/models, GET /v1/models/{id}, GET /models (llama.cpp's catalog of
+the one model), GET /props, GET /v1/load and GET /metrics,
 in the shapes of the spec's Server version, Models, Props, Load and Metrics sections. /v1/load and
 /metrics read only the engine's published snapshot and the ingress count (never wait on a forward);
 like every route but /health they need the API key when one is configured.
@@ -8,6 +9,7 @@ like every route but /health they need the API key when one is configured.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +28,8 @@ def model_object(ctx: ServerContext) -> dict[str, Any]:
     inputs = ["text", "image", "video"] if m.vision else ["text"]
     return {
         "id": m.id, "object": "model", "created": m.created, "owned_by": "ninfer",
+        # llama-server's: every name the model answers to (its id first), and --tags
+        "aliases": [m.id, *m.aliases], "tags": list(m.tags),
         "max_model_len": m.max_model_len, "context_window": m.max_model_len, "context_length": m.max_model_len,
         "modalities": {"vision": m.vision},
         "architecture": {"input_modalities": inputs, "output_modalities": ["text"]},
@@ -41,6 +45,18 @@ def _speculative(ctx: ServerContext) -> bool:
         return False
 
 
+def catalog_entry(ctx: ServerContext) -> dict[str, Any]:
+    """GET /models on a single-model server: the spec's catalog entry of its one model (status,
+    path, aliases) with the fields of /v1/models. The serve arguments hide the API key."""
+    args = list(sys.argv[1:])
+    for i, a in enumerate(args):
+        if a == "--api-key" and i + 1 < len(args):
+            args[i + 1] = "<redacted>"
+        elif a.startswith("--api-key="):
+            args[i] = "--api-key=<redacted>"
+    return {**model_object(ctx), "path": ctx.model.artifact_path, "status": {"value": "loaded", "args": args}}
+
+
 def props(ctx: ServerContext) -> dict[str, Any]:
     eng = ctx.options.engine
     limit = eng.default_max_tokens if eng.default_max_tokens is not None else -1
@@ -53,7 +69,7 @@ def props(ctx: ServerContext) -> dict[str, Any]:
         "model_path": ctx.model.artifact_path,
         "modalities": {"vision": ctx.model.vision, "audio": False},
         "build_info": f"ninfer {build_string()}",
-        "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
+        "endpoint_slots": not ctx.options.no_slots, "endpoint_props": True, "endpoint_metrics": True,
         "cors_proxy_enabled": False,
     }
 
@@ -175,6 +191,7 @@ def mount_status_routes(router: APIRouter, ctx: ServerContext) -> None:
         return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/v1/health", health, methods=["GET"])  # llama-server's second spelling
     router.add_api_route("/v1/load", get_load, methods=["GET"])
     router.add_api_route("/metrics", get_metrics, methods=["GET"])
     router.add_api_route("/stats", get_stats, methods=["GET"])
@@ -195,10 +212,13 @@ class Ops:
             return {"object": "list", "data": [model_object(ctx)]}
 
         async def get_model(model_id: str) -> dict:
-            if model_id != ctx.model.id:
+            if not ctx.serves_model(model_id):
                 raise EngineError(404, "model_not_found", f"The model '{model_id}' does not exist; this server "
                                   f"serves '{ctx.model.id}'.", param="model")
             return model_object(ctx)
+
+        async def catalog() -> dict:
+            return {"object": "list", "data": [catalog_entry(ctx)]}
 
         async def get_props() -> dict:
             return props(ctx)
@@ -207,6 +227,7 @@ class Ops:
         router.add_api_route("/v1", api_index, methods=["GET"])
         router.add_api_route("/v1/models", list_models, methods=["GET"])
         router.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+        router.add_api_route("/models", catalog, methods=["GET"])
         router.add_api_route("/props", get_props, methods=["GET"])
 
 

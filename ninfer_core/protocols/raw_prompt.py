@@ -2,9 +2,9 @@
 
 Spec "Raw-prompt completion and the tokenizer": no chat template, no reasoning block, no tool
 parsing. This module validates the fields both routes accept (the sampler, stop strings, the
-llama.cpp sampler controls NInfer does not have, the prompt in its string / token-id / mixed
-shapes) and turns a request into a RawPlan; the two protocol modules add their own fields and
-response shapes.
+llama.cpp sampler controls NInfer does not have, logit_bias, the prompt or batch of prompts in
+the shapes of raw_prompt_input.py) and turns a request into a RawPlan; the two protocol modules
+add their own fields and response shapes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ninfer_core.engine.api import EngineError, SamplingParams
 from ninfer_core.engine.sampler import random_seed
+from ninfer_core.protocols.logit_bias import parse_logit_bias
+from ninfer_core.protocols.openai_chat_request import check_response_format
+from ninfer_core.protocols.raw_prompt_input import RawPrompt, parse_prompts, vocab_limit, with_copies
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
-from ninfer_core.protocols.openai_chat_request import check_response_format
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 32
+MAX_PROBS = 20  # n_probs: the sampler's candidate domain
 
 # llama.cpp sampler controls NInfer does not have: accepted at their neutral value, refused otherwise
 # with `<field>_not_supported`. Each entry: (field, is-neutral test, what neutral means).
@@ -35,7 +38,6 @@ NEUTRAL_ONLY: tuple[tuple[str, Any, str], ...] = (
     ("xtc_probability", lambda v: v == 0, "0"),
     ("dry_multiplier", lambda v: v == 0, "0"),
     ("top_n_sigma", lambda v: v <= 0, "0 or below"),
-    ("n_probs", lambda v: v == 0, "0"),
     ("n_indent", lambda v: v == 0, "0"),
     ("t_max_predict_ms", lambda v: v <= 0, "0 or below"),
 )
@@ -74,7 +76,9 @@ class RawCompletionFields(WireModel):
     xtc_probability: float | None = None
     dry_multiplier: float | None = None
     top_n_sigma: float | None = None
-    n_probs: int | None = None
+    n_probs: int | None = None  # /completion: completion_probabilities; /v1/completions: logprobs
+    post_sampling_probs: bool | None = None
+    verbose: bool | None = None  # /v1/completions: the llama.cpp object as __verbose
     n_indent: int | None = None
     t_max_predict_ms: int | None = None
     grammar: Any = None
@@ -91,7 +95,7 @@ class RawCompletionFields(WireModel):
 class RawPlan:
     """A validated raw-prompt request, ready to tokenize and submit."""
 
-    prompt: Any  # the wire prompt, one prompt (string, ids, or mixed); tokenized by `prompt_ids`
+    prompts: list[RawPrompt]  # one, or a batch: each is its own engine request and result
     max_tokens: int | None  # None: the default output limit
     derived_limit: bool  # "no limit" (negative): the derived budget even under --default-max-tokens
     stop: list[str]
@@ -102,6 +106,13 @@ class RawPlan:
     limit_param: str = "max_tokens"  # the field the output limit came from (n_predict or max_tokens)
     sampling_request: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    n_probs: int = 0  # llama.cpp's n_probs (0: no probabilities)
+    post_sampling_probs: bool = False
+
+    @property
+    def batch(self) -> bool:
+        return len(self.prompts) > 1
 
 
 def check_model(model: Any, ctx: ServerContext) -> None:
@@ -109,7 +120,7 @@ def check_model(model: Any, ctx: ServerContext) -> None:
         return
     if not isinstance(model, str):
         raise bad_request("invalid_type", "model must be a string.", "model")
-    if model != ctx.model.id:
+    if not ctx.serves_model(model):
         raise EngineError(404, "model_not_found", f"The model '{model}' does not exist; this server "
                           f"serves '{ctx.model.id}'.", param="model")
 
@@ -132,37 +143,6 @@ def check_neutral_controls(req: RawCompletionFields) -> None:
             raise bad_request("invalid_type", "lora must be a list.", "lora")
         if req.lora:
             raise bad_request("lora_not_supported", "LoRA adapters are not supported.", "lora")
-    check_logit_bias(req.logit_bias)
-
-
-def check_logit_bias(bias: Any) -> None:
-    """All-zero logit_bias is neutral; any other bias (or llama.cpp's `false` ban) is refused.
-
-    llama.cpp accepts an object {token: bias} and a list of [token, bias] pairs.
-    """
-    if bias is None:
-        return
-    if isinstance(bias, dict):
-        items = list(bias.items())
-    elif isinstance(bias, list):
-        items = []
-        for i, pair in enumerate(bias):
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise bad_request("invalid_type", "logit_bias pairs must be [token, bias].",
-                                  f"logit_bias.{i}")
-            items.append((str(i), pair[1]))
-    else:
-        raise bad_request("invalid_type", "logit_bias must be an object or a list of [token, bias] pairs.",
-                          "logit_bias")
-    for key, value in items:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if value is False:
-                raise bad_request("logit_bias_not_supported", "Banning tokens through logit_bias is not "
-                                  "supported: the sampler cannot apply per-token biases.", "logit_bias")
-            raise bad_request("invalid_type", "logit_bias values must be numbers.", f"logit_bias.{key}")
-        if value != 0:
-            raise bad_request("logit_bias_not_supported", "A nonzero logit_bias is not supported: the "
-                              "sampler cannot apply per-token biases.", "logit_bias")
 
 
 def stop_list(stop: Any) -> list[str]:
@@ -183,92 +163,31 @@ def stop_list(stop: Any) -> list[str]:
     return list(items)
 
 
-def single_prompt(prompt: Any, param: str = "prompt") -> Any:
-    """The one prompt of the wire value: a string, a list of token ids, or ids and strings mixed.
-
-    llama.cpp's array of several prompts is refused; a one-element array is that prompt.
-    """
-    if prompt is None:
-        raise bad_request("missing_required_parameter", f"Missing required parameter: '{param}'.", param)
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list):
-        raise bad_request("invalid_type", f"{param} must be a string, a list of token ids, or token ids "
-                          "and strings mixed.", param)
-    if not prompt:
-        raise bad_request("invalid_value", f"{param} is empty.", param)
-    for i, p in enumerate(prompt):
-        if not (_is_token(p) or isinstance(p, (str, list))):
-            raise bad_request("invalid_type", "a prompt element must be a token id, a string or a prompt.",
-                              f"{param}.{i}")
-    if _is_one_prompt(prompt):
-        return prompt
-    # a list of prompts (strings, id lists or mixed lists): only one is served per request
-    if len(prompt) == 1:
-        inner = prompt[0]
-        if isinstance(inner, str) or (isinstance(inner, list) and inner and _is_one_prompt(inner)):
-            return inner
-        if isinstance(inner, list) and not inner:
-            raise bad_request("invalid_value", f"{param} is empty.", f"{param}.0")
-        raise bad_request("invalid_type", "a prompt must be a string, a list of token ids, or token ids "
-                          "and strings mixed.", f"{param}.0")
-    raise bad_request("multiple_prompts_not_supported", f"{param} holds {len(prompt)} prompts; one request "
-                      "produces one completion, so send one prompt per request.", param)
-
-
-def _is_token(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_one_prompt(items: list) -> bool:
-    """Token ids alone, or token ids and strings mixed (at least one id): one prompt."""
-    return all(_is_token(x) or isinstance(x, str) for x in items) and any(_is_token(x) for x in items)
-
-
-def vocab_limit(ctx: ServerContext) -> int:
-    """Token ids a prompt may name: the tokenizer's domain, within the model's vocabulary."""
-    n = int(getattr(ctx.tokenizer, "vocab_size", 0) or 0)
-    model_n = int(getattr(ctx.model, "n_vocab", 0) or 0) if ctx.model else 0
-    return min(n, model_n) if n and model_n else (n or model_n)
-
-
-def tokenize_prompt(ctx: ServerContext, prompt: Any, param: str = "prompt",
-                    parse_special: bool = True) -> list[int]:
-    """Token ids of one prompt (see `single_prompt`); special-token text in a string encodes as that
-    token unless `parse_special` is false. Host work: call on a worker thread for long prompts."""
-    tok = ctx.tokenizer
-    parts = [prompt] if isinstance(prompt, str) else prompt
-    limit = vocab_limit(ctx)
-    ids: list[int] = []
-    for i, part in enumerate(parts):
-        if isinstance(part, str):
-            ids.extend(tok.encode(part, allow_special=parse_special))
-        else:
-            p = param if isinstance(prompt, str) else f"{param}.{i}"
-            if not 0 <= part < limit:
-                raise bad_request("invalid_value",
-                                  f"token id {part} is outside the vocabulary (0..{limit - 1}).", p)
-            ids.append(part)
-    return ids
-
-
 def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None,
-                 negative_is_unlimited: bool, limit_param: str) -> RawPlan:
-    """The checks both routes share; `limit` is the route's output-limit field value."""
+                 negative_is_unlimited: bool, limit_param: str, copies: int = 1, copies_param: str = "n_cmpl"
+                 ) -> RawPlan:
+    """The checks both routes share; `limit` is the route's output-limit field value, `copies` its
+    completions per prompt (n_cmpl, n)."""
     check_model(req.model, ctx)
     check_neutral_controls(req)
     check_response_format(req.response_format)
     if limit is not None and limit < 0 and not negative_is_unlimited and limit != -1:
         raise bad_request("invalid_value", f"{limit_param} must be -1 (no limit) or a non-negative integer.",
                           limit_param)
+    logit_bias = parse_logit_bias(req.logit_bias, ctx.tokenizer, vocab_limit(ctx))
+    n_probs = req.n_probs or 0
+    if not 0 <= n_probs <= MAX_PROBS:
+        raise bad_request("invalid_value", f"n_probs must be between 0 and {MAX_PROBS}: the sampler's candidate "
+                          "domain.", "n_probs")
     sampling_request = {
+        "logit_bias": logit_bias,
         "temperature": None if req.temperature is None else max(0.0, req.temperature),
         "top_k": None if req.top_k is None else (TOP_K_CAP if req.top_k <= 0 else req.top_k),
         "top_p": req.top_p, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
     }
     return RawPlan(
-        prompt=single_prompt(req.prompt),
+        prompts=with_copies(parse_prompts(req.prompt, ctx), copies, copies_param),
         max_tokens=None if limit is None or limit < 0 else limit,
         derived_limit=limit is not None and limit < 0,
         stop=stop_list(req.stop),
@@ -279,6 +198,9 @@ def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None
         limit_param=limit_param,
         sampling_request=sampling_request,
         seed=None if req.seed is None or req.seed < 0 else req.seed,
+        logit_bias=logit_bias,
+        n_probs=n_probs,
+        post_sampling_probs=bool(req.post_sampling_probs),
     )
 
 
@@ -301,15 +223,29 @@ def output_limit(ctx: ServerContext, plan: RawPlan, prompt_tokens: int) -> int |
 
 
 def settings_dict(ctx: ServerContext, plan: RawPlan, sampling: SamplingParams, n_predict: int) -> dict:
-    """llama.cpp's generation_settings: the settings this request resolved to."""
+    """llama.cpp's generation_settings: the settings this raw request resolved to."""
+    return generation_settings(ctx, sampling, n_predict, stop=plan.stop, ignore_eos=plan.ignore_eos,
+                               stream=plan.stream, cache_prompt=plan.cache_prompt,
+                               timings_per_token=plan.timings_per_token, n_probs=plan.n_probs,
+                               post_sampling_probs=plan.post_sampling_probs)
+
+
+def generation_settings(ctx: ServerContext, sampling: SamplingParams, n_predict: int, *, stop: list[str],
+                        ignore_eos: bool, stream: bool, cache_prompt: bool = True, timings_per_token: bool = False,
+                        n_probs: int = 0, post_sampling_probs: bool = False) -> dict:
+    """llama.cpp's generation_settings object for a request that resolved to `sampling`."""
     return {
         "n_predict": n_predict, "max_tokens": n_predict, "seed": sampling.seed,
         "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "top_k": sampling.top_k if sampling.top_k > 0 else TOP_K_CAP, "top_p": sampling.top_p,
         "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
         "frequency_penalty": sampling.frequency_penalty, "repeat_penalty": 1.0, "typical_p": 1.0,
-        "mirostat": 0, "n_probs": 0, "stop": list(plan.stop), "ignore_eos": plan.ignore_eos,
-        "stream": plan.stream, "cache_prompt": plan.cache_prompt, "timings_per_token": plan.timings_per_token,
-        "samplers": ["penalties", "top_k", "temperature", "top_p", "min_p"],
+        "mirostat": 0, "n_probs": n_probs, "post_sampling_probs": post_sampling_probs,
+        # llama.cpp's [{bias, token}]; a ban's minus infinity is null in its JSON
+        "logit_bias": [{"bias": b if b != float("-inf") else None, "token": t}
+                       for t, b in sampling.logit_bias.items()],
+        "stop": list(stop), "ignore_eos": ignore_eos, "stream": stream, "cache_prompt": cache_prompt,
+        "timings_per_token": timings_per_token,
+        "samplers": ["logit_bias", "penalties", "top_k", "temperature", "top_p", "min_p"],
         "model": ctx.model.id,
     }

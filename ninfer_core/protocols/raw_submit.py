@@ -14,9 +14,9 @@ import anyio
 
 from ninfer_core.engine.api import EngineError, GenerationRequest, SamplingParams
 from ninfer_core.engine.checkpoints import CheckpointHints
-from ninfer_core.protocols.raw_prompt import RawPlan, output_limit, raw_sampling, tokenize_prompt
+from ninfer_core.protocols.raw_prompt import RawPlan, output_limit, raw_sampling
+from ninfer_core.protocols.raw_prompt_input import tokenize_prompts
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.errors import bad_request
 
 # Spec "Raw-prompt completion": below this a regenerated prompt is cheaper to prefill than the extra
 # capture pass its checkpoint costs.
@@ -25,50 +25,60 @@ RAW_CHECKPOINT_MIN = 512
 
 @dataclass
 class RawSubmission:
-    """A submitted raw request: its handle, prompt and what it resolved to."""
+    """A submitted raw prompt: its handle, prompt and what it resolved to."""
 
     handle: Any
     prompt_ids: list[int]
     sampling: SamplingParams
     n_predict: int  # the effective output limit the engine runs with
-    release: Any  # idempotent: gives the ingress unit back
+    release: Any  # idempotent: gives the ingress unit back (a batch's prompts share the batch's)
+    index: int = 0  # the prompt's place in the request (llama.cpp's result `index`)
 
 
 async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: int | None = None
                      ) -> RawSubmission:
-    """Hold an ingress unit, tokenize on a worker thread, submit; the caller must `release()`.
+    """The one prompt of `plan`: hold an ingress unit, tokenize on a worker thread, submit; the
+    caller must `release()`. A batch goes through raw_batch.RawBatch instead.
 
     `logprobs` (k) asks the engine for each generated token's log probability and k alternatives."""
     deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
     release = ctx.ingress.acquire()
-
     try:
-        ids = await anyio.to_thread.run_sync(tokenize_prompt, ctx, plan.prompt)
-        if not ids:
-            raise bad_request("invalid_value", "The prompt encodes to no tokens.", "prompt")
-        sampling = raw_sampling(ctx, plan)
-        max_tokens = output_limit(ctx, plan, len(ids))
-        gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
-                                ignore_eos=plan.ignore_eos,
-                                request_id=request.scope.get("state", {}).get("request_id", ""),
-                                deadline=deadline, checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
-                                cache_prompt=plan.cache_prompt)
-        handle = ctx.engine.submit(gen)
-    except EngineError as e:
-        release()
-        # the engine names chat fields; a raw request's are the prompt and its own limit field
-        if e.param == "messages":
-            e.param = "prompt"
-        elif e.param == "max_tokens":
-            e.param = plan.limit_param
-        raise
+        ids = (await anyio.to_thread.run_sync(tokenize_prompts, ctx, plan.prompts[:1]))[0]
+        return submit_prompt(request, ctx, plan, ids, 0, logprobs, deadline, release)
     except BaseException:
         release()
+        raise
+
+
+def submit_prompt(request: Any, ctx: ServerContext, plan: RawPlan, ids: list[int], index: int,
+                  logprobs: int | None, deadline: float, release: Any = None) -> RawSubmission:
+    """Submit prompt `index` of `plan` (its ids already checked); on the event loop."""
+    sampling = raw_sampling(ctx, plan)
+    copy = plan.prompts[index].copy
+    if copy:  # the n_cmpl copies of one prompt draw from seeds of their own (signed 64-bit, wrapped)
+        sampling.seed = (sampling.seed + copy + (1 << 63)) % (1 << 64) - (1 << 63)
+    max_tokens = output_limit(ctx, plan, len(ids))
+    request_id = request.scope.get("state", {}).get("request_id", "")
+    if request_id and plan.batch:
+        request_id = f"{request_id}-{index}"
+    gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
+                            ignore_eos=plan.ignore_eos, request_id=request_id, deadline=deadline,
+                            checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
+                            cache_prompt=plan.cache_prompt)
+    try:
+        handle = ctx.engine.submit(gen)
+    except EngineError as e:
+        # the engine names chat fields; a raw request's are its prompt and its own limit field
+        if e.param == "messages":
+            e.param = plan.prompts[index].param
+        elif e.param == "max_tokens":
+            e.param = plan.limit_param
         raise
     n_predict = getattr(handle, "max_tokens", None)
     if n_predict is None:
         n_predict = max_tokens if max_tokens is not None else ctx.engine.default_output_limit(len(ids))
-    return RawSubmission(handle, ids, sampling, int(n_predict), release)
+    return RawSubmission(handle, ids, sampling, int(n_predict), release or (lambda: None), index)
 
 
 def raw_hints(prompt_tokens: int) -> CheckpointHints:

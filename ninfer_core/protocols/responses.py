@@ -214,6 +214,9 @@ class Responses:
 
         router.add_api_route("/v1/responses", create, methods=["POST"])
         router.add_api_route("/v1/responses/input_tokens", input_tokens, methods=["POST"])
+        # llama-server's unprefixed forms of the two POST routes
+        router.add_api_route("/responses", create, methods=["POST"])
+        router.add_api_route("/responses/input_tokens", input_tokens, methods=["POST"])
         router.add_api_route("/v1/responses/compact", compact, methods=["POST"])
         router.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
         router.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])

@@ -270,7 +270,7 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         _type(model, str, "model", "a string")
         if not model:
             raise bad_request("invalid_value", "'model' must not be empty.", "model")
-        if model != model_id:
+        if not ctx.serves_model(model):
             raise EngineError(404, "model_not_found", f"The model {show(model)} does not exist; this server serves "
                               f"{show(model_id)}.", param="model")
 

@@ -59,6 +59,9 @@ class Slots:
             return eng, getattr(eng, "cache", None)
 
         async def list_slots() -> list:
+            if ctx.options.no_slots:  # llama-server --no-slots: the listing only; actions stay
+                raise EngineError(501, "slots_endpoint_disabled", "This server does not support the slots "
+                                  "endpoint: it was started with --no-slots.", type_="not_supported_error")
             eng, cache = catalog()
             if cache is None:
                 return []

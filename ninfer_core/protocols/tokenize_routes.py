@@ -2,6 +2,7 @@
 
 POST /tokenize, POST /detokenize and POST /apply-template answer from the host (a worker thread):
 they never submit to the engine, take no ingress unit and do not wake a sleeping model.
+`chat_input_tokens` is the handler of (/v1)/chat/completions/input_tokens, which openai_chat mounts.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import anyio
 from fastapi import APIRouter, Request
 
 from ninfer_core import hookimpl
-from ninfer_core.protocols.raw_prompt import WireModel, single_prompt, tokenize_prompt, vocab_limit
+from ninfer_core.protocols.raw_prompt import WireModel
+from ninfer_core.protocols.raw_prompt_input import single_prompt, tokenize_prompt, vocab_limit
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.prepare import forced_call_ids, render_prompt_ids
@@ -75,16 +77,28 @@ def detokenize(ctx: ServerContext, raw: bytes) -> dict:
     return {"content": ctx.tokenizer.decode(tokens, skip_special=False)}
 
 
-def apply_template(ctx: ServerContext, raw: bytes) -> dict:
-    """The prompt a Chat Completions body renders to (assistant opener included), as text."""
+def chat_prompt_ids(ctx: ServerContext, raw: bytes) -> list[int]:
+    """The prompt ids a Chat Completions body renders to (assistant opener included), checked as
+    /v1/chat/completions checks it; a forced call ends with its opener, as the chat route submits it."""
     from ninfer_core.protocols.openai_chat_request import validate_body
 
     plan = validate_body(raw, ctx)
     ids = render_prompt_ids(ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs).ids
     forced = getattr(plan, "forced_tool", None)
-    if forced is not None:  # a forced call ends the prompt with its opener, as the chat route submits it
+    if forced is not None:
         ids = ids + forced_call_ids(ctx.tokenizer, forced)
-    return {"prompt": ctx.tokenizer.decode(ids, skip_special=False)}
+    return ids
+
+
+def apply_template(ctx: ServerContext, raw: bytes) -> dict:
+    """The prompt a Chat Completions body renders to, as text."""
+    return {"prompt": ctx.tokenizer.decode(chat_prompt_ids(ctx, raw), skip_special=False)}
+
+
+def chat_input_tokens(ctx: ServerContext, raw: bytes) -> dict:
+    """llama-server's POST /v1/chat/completions/input_tokens: the prompt tokens of a chat body,
+    in the shape of OpenAI's Responses input-token count."""
+    return {"object": "response.input_tokens", "input_tokens": len(chat_prompt_ids(ctx, raw))}
 
 
 class TokenizerRoutes:

@@ -32,6 +32,8 @@ class ServedModel:
     ftype: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     vision: bool = False
+    aliases: tuple[str, ...] = ()  # further names requests may use (--alias), besides `id`
+    tags: tuple[str, ...] = ()  # informational (--tags), reported by /v1/models
 
 
 class Ingress:
@@ -101,6 +103,14 @@ class ServerContext:
     def mark_ready(self) -> None:
         self.ready_at = time.monotonic()
         self._ready.set()
+
+    def serves_model(self, name: str) -> bool:
+        """Whether a request naming `name` is served: the public id or an --alias, or any name with
+        --accept-any-model (llama-server answers every name with its one model)."""
+        if self.options.accept_any_model:
+            return True
+        m = self.model
+        return m is not None and (name == m.id or name in m.aliases)
 
     def uptime_s(self) -> float:
         return 0.0 if self.ready_at is None else time.monotonic() - self.ready_at

@@ -21,7 +21,7 @@ from ninfer_core.server.context import ServerContext
 REJECTION_CODES = frozenset({"server_overloaded", "context_length_exceeded", "invalid_prompt", "invalid_media",
                              "media_budget_exceeded", "vision_disabled", "request_queue_timeout"})
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion", "/completions",
-                              "/v1/messages", "/v1/responses"})
+                              "/v1/messages", "/v1/responses", "/chat/completions", "/responses"})
 
 
 def count_rejection(scope: dict, code: str | None, status: int, err: Any = None) -> None:

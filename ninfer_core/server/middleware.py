@@ -5,8 +5,10 @@ through untouched. Order of the checks, outermost first:
   1. every response gets X-NInfer-Version and a fresh x-request-id (req_<hex>);
   2. /v1/v1/... is served as /v1/... (OpenAI SDKs given the /v1 base URL double the prefix);
   3. until the model is warm every route answers 503 model_loading with Retry-After: 2;
-  4. --cors answers preflights and decorates responses;
-  5. --api-key: Bearer or x-api-key, compared in constant time (GET /health and preflights exempt);
+  4. --cors / --cors-origins answer preflights and decorate responses as llama-server does (the
+     Origin reflected, credentials allowed); an Origin --cors-origins does not list is 403;
+  5. --api-key: Bearer or x-api-key, compared in constant time (GET /health, /v1/health and
+     preflights exempt);
   6. --max-request-mib: 413 before JSON parsing (Content-Length, or counted while streaming in).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import Response
@@ -34,7 +37,9 @@ from ninfer_core.version import build_string
 log = logging.getLogger("ninfer.server")
 
 LOADING_MESSAGE = "The model is still loading. Retry shortly."
-CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+# llama-server's --cors-methods default; NInfer's routes use no other method
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 CORS_HEADERS = ["authorization", "content-type", "x-api-key", "x-request-id", "accept",
                 "openai-organization", "openai-project", "x-stainless-lang", "anthropic-version"]
 
@@ -51,6 +56,7 @@ class ServerMiddleware:
         self._key = key.encode("utf-8") if key else None
         self._limit = ctx.options.max_request_mib * (1 << 20)
         self._version = build_string()
+        self._origins = ctx.options.cors_origins  # None: any origin (--cors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,6 +69,8 @@ class ServerMiddleware:
         method = scope["method"]
         origin = headers.get("origin")
         cors = self.ctx.options.cors and origin is not None
+        refused_origin = cors and not self._origin_allowed(origin, headers.get("host"))
+        cors = cors and not refused_origin
         started = False
         # Anthropic routes carry their request id as `request-id` (their own header contract).
         anthropic = is_anthropic_path(scope["path"])
@@ -77,7 +85,10 @@ class ServerMiddleware:
                 if id_header not in hs:
                     hs[id_header] = request_id
                 if cors:
-                    hs["Access-Control-Allow-Origin"] = "*"
+                    # llama-server reflects the Origin and allows credentials (cookies, Authorization)
+                    hs["Access-Control-Allow-Origin"] = origin
+                    hs["Access-Control-Allow-Credentials"] = "true"
+                    hs.add_vary_header("Origin")
                     hs["Access-Control-Expose-Headers"] = f"{id_header}, X-NInfer-Version, Retry-After"
             await send(message)
 
@@ -92,10 +103,16 @@ class ServerMiddleware:
                 await resp(scope, receive, send_wrapper)
                 return
             preflight = method == "OPTIONS" and "access-control-request-method" in headers
+            if refused_origin:
+                resp = shaped_error_response(
+                    scope, 403, f"The origin {origin!r} is not allowed (--cors-origins).", "permission_error",
+                    "cors_origin_not_allowed")
+                await resp(scope, receive, send_wrapper)
+                return
             if preflight and self.ctx.options.cors:
                 await _preflight(headers)(scope, receive, send_wrapper)
                 return
-            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] == "/health")
+            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] in ("/health", "/v1/health"))
             if self._key is not None and not exempt and not self._authorized(headers):
                 resp = shaped_error_response(
                     scope, 401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>' or "
@@ -118,6 +135,19 @@ class ServerMiddleware:
                 resp = shaped_error_response(scope, 500, "Internal server error.", "server_error",
                                              "internal_error")
                 await resp(scope, receive, send_wrapper)
+
+    def _origin_allowed(self, origin: str, host: str | None) -> bool:
+        """--cors allows every origin; --cors-origins the listed ones ("*" any, "localhost" a page
+        served from this machine), and always this server's own pages (Origin = Host), so a WebUI
+        it serves keeps working. A request from any other origin is refused: a cross-site form
+        POST needs no preflight, so leaving out the CORS headers alone would not stop it."""
+        allowed = self._origins
+        if allowed is None or "*" in allowed or origin in allowed:
+            return True
+        parts = urlsplit(origin)
+        if host is not None and parts.netloc == host:
+            return True
+        return "localhost" in allowed and (parts.hostname or "") in LOCAL_HOSTS
 
     def _authorized(self, headers: Headers) -> bool:
         candidates = []
@@ -165,7 +195,9 @@ def _preflight(headers: Headers) -> Response:
         h = h.strip().lower()
         if h and h not in allowed:
             allowed.append(h)
-    return Response(status_code=204, headers={
+    # 200 with an empty body, as llama-server answers a preflight. Its Allow-Headers is "*", which a
+    # browser does not read as a wildcard on a credentialed request: the asked headers are named.
+    return Response(status_code=200, headers={
         "Access-Control-Allow-Methods": CORS_METHODS,
         "Access-Control-Allow-Headers": ", ".join(allowed),
         "Access-Control-Max-Age": "600",

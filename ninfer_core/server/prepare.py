@@ -55,6 +55,7 @@ def resolve_sampling(ctx: ServerContext, thinking: bool, request: dict[str, Any]
         frequency_penalty=float(values["frequency_penalty"]),
         seed=seed if seed is not None else eng.seed,
         greedy=bool(eng.greedy or float(values["temperature"]) == 0.0),
+        logit_bias=dict(request.get("logit_bias") or {}),  # {token id: bias}, parsed by the protocol
     )
 
 

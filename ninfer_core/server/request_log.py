@@ -41,7 +41,8 @@ THROUGHPUT_INTERVAL_S = 5.0
 # Endpoint -> protocol name of the request records.
 PROTOCOLS = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completions",
              "/completion": "llamacpp_completion", "/completions": "llamacpp_completion",
-             "/v1/messages": "anthropic_messages", "/v1/responses": "openai_responses"}
+             "/v1/messages": "anthropic_messages", "/v1/responses": "openai_responses",
+             "/chat/completions": "openai_chat", "/responses": "openai_responses"}  # llama-server's unprefixed forms
 
 
 class RequestLogError(Exception):
@@ -90,6 +91,16 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+def _sampler_record(sampling: Any) -> dict | None:
+    """A SamplingParams as logged: its logit_bias as the number of biased tokens (a ban is minus
+    infinity, which JSON cannot hold, and the ids are the client's request content)."""
+    if not dataclasses.is_dataclass(sampling):
+        return None
+    out = dataclasses.asdict(sampling)
+    out["logit_bias"] = len(out.get("logit_bias") or {})
+    return out
 
 
 class RequestLog:
@@ -254,9 +265,9 @@ class _Tracker:
 
     def start(self) -> None:
         r = self.request
-        sampling = dataclasses.asdict(r.sampling) if dataclasses.is_dataclass(r.sampling) else None
+        sampling = _sampler_record(r.sampling)
         thinking = {"enable_thinking": bool(r.in_reasoning), "thinking_budget": r.thinking_budget,
-                    "post_thinking_sampler": dataclasses.asdict(r.post_thinking) if r.post_thinking else None}
+                    "post_thinking_sampler": _sampler_record(r.post_thinking) if r.post_thinking else None}
         self.log.write("request_start", **self._base(), prompt_tokens=len(r.prompt_ids),
                        requested_output_tokens=self.budget(), explicit_output_limit=r.max_tokens is not None,
                        sampler=sampling, stop_strings=len(r.stop), ignore_eos=bool(r.ignore_eos),

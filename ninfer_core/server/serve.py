@@ -25,6 +25,8 @@ from typing import Any
 from ninfer_core.config import ServeOptions, options_from_args
 from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
 from ninfer_core.server.context import ServedModel, ServerContext
+# bind_socket stays importable from here (bench, tests)
+from ninfer_core.server.listen import BindError, announce, bind_socket, bind_sockets  # noqa: F401
 from ninfer_core.server.prepare import default_sampling_presets
 from ninfer_core.version import build_string
 
@@ -76,33 +78,10 @@ def artifact_facts(artifact: Any) -> dict[str, Any]:
 
 
 def public_model_id(options: ServeOptions, artifact: Any) -> str:
+    """--model-id, else the first --alias (llama-server's --alias names the model), else the artifact's."""
     identity = artifact.manifest.get("identity") or {}
-    return options.model_id or identity.get("model_id") or artifact.name or artifact.architecture
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP (not 0): asyncio turns Nagle off (TCP_NODELAY) only on accepted sockets whose
-    # proto says TCP, and with Nagle on every small SSE write after the first waits for the client's
-    # delayed ACK (~40 ms); the listener's TCP_NODELAY is inherited by accepted sockets as well.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-def _announce(host: str, port: int) -> str:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
-    if ":" in shown and not shown.startswith("["):
-        shown = f"[{shown}]"
-    return f"http://{shown}:{port}"
+    first_alias = options.aliases[0] if options.aliases else None
+    return options.model_id or first_alias or identity.get("model_id") or artifact.name or artifact.architecture
 
 
 class _Loader:
@@ -146,7 +125,9 @@ class _Loader:
                 id=public_model_id(opts, self.artifact), artifact_path=opts.artifact or self.artifact.path,
                 architecture=self.artifact.architecture, max_model_len=opts.engine.max_context,
                 n_vocab=tokenizer.vocab_size, n_ctx_train=int(info.max_position), n_embd=int(info.hidden_size),
-                n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"])
+                n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"],
+                aliases=tuple(a for a in opts.aliases if a != public_model_id(opts, self.artifact)),
+                tags=tuple(opts.tags))
             ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
             if opts.engine.ngram_archive_mib:
                 from ninfer_core.server.draft_session import DraftSessionEngine
@@ -280,17 +261,18 @@ def run_serve(args, host: PluginHost | None = None) -> int:
         host.resolve("kv_dtype", options.engine.kv_dtype)
     except PluginError as e:
         return _fail(str(e))
+    from ninfer_core.tokenizer.builtin_templates import resolve_chat_template
     from ninfer_core.tokenizer.chat_template import ChatTemplate, TemplateError
 
     try:
         if options.chat_template:
-            template = ChatTemplate.from_file(options.chat_template)
+            template = resolve_chat_template(options.chat_template)
         else:
             template = ChatTemplate(artifact.chat_template) if artifact.chat_template else None
     except TemplateError as e:
         return _fail(str(e))
     if template is None:
-        log.warning("the artifact has no chat template: chat requests will fail (use --chat-template FILE)")
+        log.warning("the artifact has no chat template: chat requests will fail (use --chat-template NAME|FILE)")
 
     ctx = ServerContext(options=options, plugins=host)
     if options.request_log_jsonl:
@@ -308,24 +290,27 @@ def run_serve(args, host: PluginHost | None = None) -> int:
         app = create_app(ctx)
     except PluginError as e:
         return _fail(str(e))
+    hosts = options.hosts or [options.host]
     try:
-        sock = bind_socket(options.host, options.port)
-    except OSError as e:
-        return _fail(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
-    port = sock.getsockname()[1]
-    stats_sock = None
+        socks = bind_sockets(hosts, options.port)
+    except BindError as e:
+        return _fail(f"cannot listen on {e.address}:{e.port}: {e.reason}")
+    port = socks[0].getsockname()[1]
+    stats_socks: list[socket.socket] = []
     if options.stats_port is not None:
         try:
-            stats_sock = bind_socket(options.host, options.stats_port)
-        except OSError as e:
-            sock.close()
-            return _fail(f"cannot listen on {options.host}:{options.stats_port} (--stats-port): {e.strerror or e}")
-    base = _announce(options.host, port)
+            stats_socks = bind_sockets(hosts, options.stats_port)
+        except BindError as e:
+            for sk in socks:
+                sk.close()
+            return _fail(f"cannot listen on {e.address}:{e.port} (--stats-port): {e.reason}")
+    base = announce(hosts[0], port)
     log.info("ninfer %s", build_string())
-    log.info("listening on %s (API base %s/v1)", base, base)
-    if stats_sock is not None:
+    log.info("listening on %s (API base %s/v1)", " and ".join(announce(h, port) for h in hosts), base)
+    if stats_socks:
+        stats_port = stats_socks[0].getsockname()[1]
         log.info("stats listening on %s (GET /health, /stats, /v1/load, /metrics)",
-                 _announce(options.host, stats_sock.getsockname()[1]))
+                 " and ".join(announce(h, stats_port) for h in hosts))
     log.info("loading %s (%s) from %s", public_model_id(options, artifact), artifact.architecture, path)
 
     import uvicorn
@@ -357,14 +342,14 @@ def run_serve(args, host: PluginHost | None = None) -> int:
             shutdown_done.set()
 
     stats_server = None
-    if stats_sock is not None:
+    if stats_socks:
         from ninfer_core.server.app import create_stats_app
 
         stats_server = uvicorn.Server(uvicorn.Config(
             create_stats_app(ctx), log_level="warning" if level == "info" else level, access_log=False,
             lifespan="off", timeout_graceful_shutdown=2, timeout_keep_alive=30))
         # Its own thread and event loop: a scrape never waits behind the request pool.
-        threading.Thread(target=stats_server.run, kwargs={"sockets": [stats_sock]}, name="ninfer-stats",
+        threading.Thread(target=stats_server.run, kwargs={"sockets": stats_socks}, name="ninfer-stats",
                          daemon=True).start()
 
     def on_exit() -> None:
@@ -381,9 +366,10 @@ def run_serve(args, host: PluginHost | None = None) -> int:
     loader.on_failure = on_failure
     loader.thread.start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
         if stats_server is not None:
             stats_server.should_exit = True
         shutdown_engine()

@@ -103,7 +103,7 @@ def test_completion_stop_word(http):
 
 
 @pytest.mark.parametrize("body,code,param", [
-    ({"prompt": ["a", "b"]}, "multiple_prompts_not_supported", "prompt"),
+    ({"prompt": ["a", {"text": "b"}]}, "missing_required_parameter", "prompt[1].prompt_string"),
     ({"prompt": "x", "repeat_penalty": 1.3}, "repeat_penalty_not_supported", "repeat_penalty"),
     ({"prompt": "x", "mirostat": 2}, "mirostat_not_supported", "mirostat"),
     ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar_not_supported", "grammar"),
@@ -146,11 +146,11 @@ def test_openai_completions(client, tokenizer):
 
 
 def test_openai_completions_refusals(client, http):
-    for extra, code, param in ((dict(n=2), "n_not_supported", "n"),
+    for extra, code, param in ((dict(n=0), "invalid_value", "n"),
                                (dict(suffix="}"), "suffix_not_supported", "suffix"),
                                (dict(logprobs=2, echo=True), "logprobs_not_supported", "echo"),
                                (dict(best_of=2), "best_of_not_supported", "best_of"),
-                               (dict(prompt=["a", "b"]), "multiple_prompts_not_supported", "prompt")):
+                               (dict(prompt=["a", ""]), "invalid_value", "prompt[1]")):
         kw = {"model": "tiny-qwen35-dense", "prompt": "x", "max_tokens": 2, **extra}
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**kw)

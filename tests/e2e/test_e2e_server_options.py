@@ -63,16 +63,18 @@ def test_api_key_cors_alias_overload_and_clean_exit(start_server):
     assert httpx.get(base + "/v1/load").status_code == 401
     assert httpx.get(base + "/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
 
-    # CORS preflight needs no key and allows the headers the browser asks for.
+    # CORS preflight needs no key and allows the headers the browser asks for; as llama-server's,
+    # it answers 200 and reflects the Origin with credentials allowed.
     pre = httpx.options(base + "/v1/chat/completions", headers={
         "Origin": "http://example.test", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, x-conversation-id"})
-    assert pre.status_code == 204
-    assert pre.headers["access-control-allow-origin"] == "*"
+    assert pre.status_code == 200
+    assert pre.headers["access-control-allow-origin"] == "http://example.test"
+    assert pre.headers["access-control-allow-credentials"] == "true"
     assert "x-conversation-id" in pre.headers["access-control-allow-headers"]
     assert "POST" in pre.headers["access-control-allow-methods"]
     cors = httpx.get(base + "/health", headers={"Origin": "http://example.test"})
-    assert cors.headers["access-control-allow-origin"] == "*"
+    assert cors.headers["access-control-allow-origin"] == "http://example.test"
 
     client = openai.OpenAI(base_url=server.api_base, api_key="s3cret", max_retries=0, timeout=120)
     # The public id is the --model-id alias; the artifact's own name is not accepted.

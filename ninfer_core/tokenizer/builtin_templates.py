@@ -1,0 +1,34 @@
+"""`--chat-template NAME|FILE|SOURCE`: the built-in chat templates and how the option's value resolves.
+
+llama-server takes a built-in template name (`--chat-template chatml`), or with --jinja inline
+Jinja source, and a file through --chat-template-file. NInfer reads one value: a built-in name
+first, then a file that exists, then inline source (a value holding `{%` or `{{`); anything else
+is refused with the list of names. The built-ins are the formats NInfer's model families speak.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+from ninfer_core.tokenizer.chat_template import ChatTemplate, TemplateError
+
+# name -> template file under ninfer_core/tokenizer/templates
+BUILTIN_TEMPLATES = {"chatml": "chatml.jinja", "qwen35": "qwen35.jinja", "qwen3.5": "qwen35.jinja"}
+
+
+def builtin_template_source(name: str) -> str:
+    return (importlib.resources.files("ninfer_core.tokenizer").joinpath(f"templates/{BUILTIN_TEMPLATES[name]}")
+            .read_text(encoding="utf-8"))
+
+
+def resolve_chat_template(value: str) -> ChatTemplate:
+    """The ChatTemplate an option value names; TemplateError with the reason otherwise."""
+    if value in BUILTIN_TEMPLATES:
+        return ChatTemplate(builtin_template_source(value))
+    if Path(value).is_file():
+        return ChatTemplate.from_file(value)
+    if "{%" in value or "{{" in value:
+        return ChatTemplate(value)
+    raise TemplateError(f"--chat-template {value!r} is neither a built-in template "
+                        f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a file")
