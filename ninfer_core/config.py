@@ -148,6 +148,9 @@ class ServeOptions:
     request_log_max_mib: int = 0  # rotate at this size (0: one unbounded file)
     request_log_keep: int = 4  # rotated copies kept
     plugins: list[str] = field(default_factory=list)
+    # Structured output (ninfer_core.structured; spec "Structured output")
+    structured_output: bool = False  # accept JSON / JSON Schema formats and grammars, enforced by xgrammar
+    unconstrained_response_format: bool = False  # without it: generate such requests unconstrained, not 400
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
@@ -220,6 +223,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     add_cache_arguments(p)
     add_thinking_arguments(p)
+    add_structured_arguments(p)
+
+
+# -- structured output (ninfer_core.structured) ---------------------------------------------------
+
+def add_structured_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--structured-output", action="store_true",
+                   help="accept JSON and JSON Schema response formats (and llama.cpp json_schema/grammar), "
+                        "enforced token by token with xgrammar; forced tool calls follow their parameter schema")
+    p.add_argument("--unconstrained-response-format", action="store_true",
+                   help="without --structured-output, generate a JSON or JSON Schema request unconstrained "
+                        "instead of refusing it")
+
+
+def structured_options_from_args(a: argparse.Namespace) -> dict:
+    return {"structured_output": bool(getattr(a, "structured_output", False)),
+            "unconstrained_response_format": bool(getattr(a, "unconstrained_response_format", False))}
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -251,4 +271,5 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         request_log_jsonl=log_path, request_log_max_mib=getattr(a, "request_log_max_mib", 0),
         request_log_keep=getattr(a, "request_log_keep", 4),
         engine=eng, thinking=thinking_options_from_args(a, a.no_thinking),
+        **structured_options_from_args(a),
     )

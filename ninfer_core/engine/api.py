@@ -76,6 +76,9 @@ class GenerationRequest:
     thinking_budget: int | None = None
     budget_close_ids: list[int] = field(default_factory=list)
     post_thinking: SamplingParams | None = None
+    # Structured output: a ninfer_core.structured.constraint.Constraint (the request's grammar, built
+    # by the server), or None. The engine masks the request's logits with it and advances it on commit.
+    constraint: Any = None
 
 
 @dataclass

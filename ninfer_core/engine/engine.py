@@ -31,6 +31,7 @@ from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.slots import SlotPool
 from ninfer_core.engine.thinking import ThinkingControl
+from ninfer_core.structured.masks import MaskStage
 
 log = logging.getLogger("ninfer.engine")
 
@@ -115,6 +116,8 @@ class Engine:
             launches_async = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
         self._flush_after_launch = bool(launches_async)
         self._launches = 0  # forwards run so far (worker thread only)
+        # Structured output: constrained requests' masks on host threads (ninfer_core.structured.masks)
+        self._masks = MaskStage()
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -136,6 +139,7 @@ class Engine:
             thread.join(timeout)
         if thread is None:
             self._fail_all_on_shutdown()
+        self._masks.shutdown()
 
     def default_output_limit(self, prompt_tokens: int) -> int:
         return self.budget.default_output_limit(prompt_tokens)
@@ -167,6 +171,7 @@ class Engine:
                     f"the server is at capacity ({self.options.max_concurrency} running + "
                     f"{self.options.max_pending_requests} pending requests); retry later")
             self._outstanding += 1
+            self._masks.prefetch(request.constraint)  # the first mask, computed while the prompt prefills
             seq.order = next(self._order)
             self.scheduler.add(seq)
             self._cv.notify_all()
@@ -365,6 +370,7 @@ class Engine:
             self._launches += 1
             if self._flush_after_launch:
                 self._flush()  # the previous round's events, while the device computes this one
+            masked = self._masks.apply(logits, batch)  # structured output: {row: EngineError}
             tokens = sample(logits, [s.sampler for s in batch])
             forced = [s.thinking.next_forced() for s in batch]  # an early close commits unsampled
             tokens = [t if f is None else f for t, f in zip(tokens, forced)]
@@ -378,8 +384,11 @@ class Engine:
             for key, n in (("decode_rounds", 1), ("decode_row_rounds", len(batch)),
                            ("committed_decode_tokens", len(batch)), ("decode_seconds", time.monotonic() - t0)):
                 self.counters[key] = self.counters.get(key, 0) + n
-        for s, token, record in zip(batch, tokens, records):
+        for i, (s, token, record) in enumerate(zip(batch, tokens, records)):
             s.num_cached += 1
+            if i in masked and forced[i] is None:
+                self._fail(s, masked[i])
+                continue
             self._commit(s, token, record)
         if not self._flush_after_launch:
             self._flush()
@@ -426,6 +435,9 @@ class Engine:
             self._flush()
             if last and seq.request.score_token_ids:
                 seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
+            masked = self._masks.apply(logits[-1] if logits.dim() == 2 else logits, [seq]) if last else {}
+            if masked:
+                raise masked[0]
             token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
             record = None
             if token is not None:
@@ -459,6 +471,10 @@ class Engine:
 
     def _commit(self, seq: Sequence, token: int, record=None) -> None:
         """Append a sampled token, publish its text, and finish the request when it ends."""
+        refused = self._masks.commit(seq, token)  # structured output: the grammar must admit it
+        if refused is not None:
+            self._fail(seq, refused)
+            return
         now = time.monotonic()
         seq.t_first = seq.t_first if seq.output_ids else now
         seq.t_last = now

@@ -144,6 +144,11 @@ class _Loader:
                 n_vocab=tokenizer.vocab_size, n_ctx_train=int(info.max_position), n_embd=int(info.hidden_size),
                 n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"])
             ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
+            if opts.structured_output:  # xgrammar's tokenizer info and compiler for this model
+                from ninfer_core.structured.compiler import StructuredOutput
+
+                ctx.structured = StructuredOutput(tokenizer, int(info.vocab_size))
+                ctx.structured.warm()
             ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
             if self.template is not None and engine.cache is not None:
                 from ninfer_core.engine.turn_markers import template_turn_markers
