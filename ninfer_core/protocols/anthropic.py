@@ -27,6 +27,7 @@ from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
 from ninfer_core.protocols.anthropic_history import omitted_signature, visible_signature
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
+from ninfer_core.structured.request import compile_request, make_constraint
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop, internal_error
 from ninfer_core.server.output import OutputDecoder, OutputEvent
@@ -76,6 +77,16 @@ def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
     if plan.forced_tool:
         ids += forced_call_ids(tok, plan.forced_tool)
     return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids))
+
+
+def _compile(ctx: ServerContext, plan: MessagesPlan):
+    """The compiled output_config.format, or a forced call's input schema (ninfer_core.structured)."""
+    param = None
+    if plan.forced_tool is not None:
+        idx = next((i for i, t in enumerate(plan.tools or []) if t["function"]["name"] == plan.forced_tool), 0)
+        param = f"tools.{idx}.input_schema"
+    return compile_request(ctx, plan.response_format, tools=plan.tools, parallel=plan.parallel_tool_calls,
+                           forced_tool=plan.forced_tool, tool_param=param)
 
 
 def cache_hints(ctx: ServerContext, plan: MessagesPlan, ids: list[int]) -> Any:
@@ -242,6 +253,7 @@ class AnthropicMessages:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
         request_id = request.scope.get("state", {}).get("request_id", "")
         plan = await self._plan(request, ctx, count_only=False)
+        compiled = await anyio.to_thread.run_sync(_compile, ctx, plan)  # structured output: 400s here
         release = ctx.ingress.acquire()
 
         try:
@@ -250,6 +262,7 @@ class AnthropicMessages:
             gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens,
                                     stop=plan.stop, request_id=request_id, deadline=deadline,
                                     checkpoint_hints=prompt.hints,
+                                    constraint=make_constraint(ctx, compiled, prompt.opens_reasoning),
                                     **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
                                                       sampling))
             handle = ctx.engine.submit(gen)

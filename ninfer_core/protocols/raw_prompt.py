@@ -20,6 +20,7 @@ from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
 from ninfer_core.protocols.openai_chat_request import check_response_format
+from ninfer_core.structured.formats import admit, llamacpp_grammar, llamacpp_json_schema, refuse_conflicts
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 32
@@ -77,7 +78,8 @@ class RawCompletionFields(WireModel):
     n_probs: int | None = None
     n_indent: int | None = None
     t_max_predict_ms: int | None = None
-    grammar: Any = None
+    grammar: Any = None  # GBNF (needs --structured-output; raw_prompt.structured_format)
+    json_schema: Any = None  # llama.cpp's bare schema (needs --structured-output)
     lora: Any = None
     logit_bias: Any = None
     # accepted without effect
@@ -102,6 +104,26 @@ class RawPlan:
     limit_param: str = "max_tokens"  # the field the output limit came from (n_predict or max_tokens)
     sampling_request: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
+    response_format: Any = None  # ninfer_core.structured ResponseFormat to enforce (--structured-output)
+
+
+def structured_format(req: RawCompletionFields, ctx: ServerContext) -> Any:
+    """The constrained format of a raw request (ninfer_core.structured): response_format, llama.cpp's
+    json_schema (/completion) or grammar (GBNF); each needs --structured-output, at most one is sent."""
+    found = []
+    rf = check_response_format(req.response_format, ctx.options)
+    if rf is not None:
+        found.append(rf)
+    schema = llamacpp_json_schema(getattr(req, "json_schema", None))
+    grammar = llamacpp_grammar(req.grammar)
+    for fmt in (schema, grammar):
+        admitted = admit(fmt, ctx.options)
+        if admitted is not None:
+            found.append(admitted)
+    if len(found) > 1:
+        raise bad_request("invalid_value", f"{found[0].param} and {found[1].param} both constrain the output; "
+                          "send one of them.", found[1].param)
+    return found[0] if found else None
 
 
 def check_model(model: Any, ctx: ServerContext) -> None:
@@ -121,12 +143,6 @@ def check_neutral_controls(req: RawCompletionFields) -> None:
         if value is not None and not neutral(value):
             raise bad_request(f"{name}_not_supported", f"{name} is accepted only at its neutral value "
                               f"({meaning}): NInfer's sampler has no such control.", name)
-    if req.grammar is not None:
-        if not isinstance(req.grammar, str):
-            raise bad_request("invalid_type", "grammar must be a string.", "grammar")
-        if req.grammar.strip():
-            raise bad_request("grammar_not_supported", "GBNF grammars are not supported; request "
-                              "structured JSON through response_format.", "grammar")
     if req.lora is not None:
         if not isinstance(req.lora, list):
             raise bad_request("invalid_type", "lora must be a list.", "lora")
@@ -257,7 +273,7 @@ def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None
     """The checks both routes share; `limit` is the route's output-limit field value."""
     check_model(req.model, ctx)
     check_neutral_controls(req)
-    check_response_format(req.response_format)
+    fmt = structured_format(req, ctx)
     if limit is not None and limit < 0 and not negative_is_unlimited and limit != -1:
         raise bad_request("invalid_value", f"{limit_param} must be -1 (no limit) or a non-negative integer.",
                           limit_param)
@@ -267,11 +283,14 @@ def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None
         "top_p": req.top_p, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
     }
+    stop = stop_list(req.stop)
+    refuse_conflicts(fmt, stop=stop, ignore_eos=bool(req.ignore_eos))
     return RawPlan(
+        response_format=fmt,
         prompt=single_prompt(req.prompt),
         max_tokens=None if limit is None or limit < 0 else limit,
         derived_limit=limit is not None and limit < 0,
-        stop=stop_list(req.stop),
+        stop=stop,
         stream=bool(req.stream),
         ignore_eos=bool(req.ignore_eos),
         timings_per_token=bool(req.timings_per_token),

@@ -17,6 +17,7 @@ from ninfer_core.engine.checkpoints import CheckpointHints
 from ninfer_core.protocols.raw_prompt import RawPlan, output_limit, raw_sampling, tokenize_prompt
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
+from ninfer_core.structured.request import compile_request, make_constraint
 
 # Spec "Raw-prompt completion": below this a regenerated prompt is cheaper to prefill than the extra
 # capture pass its checkpoint costs.
@@ -43,6 +44,7 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: 
     release = ctx.ingress.acquire()
 
     try:
+        compiled = await anyio.to_thread.run_sync(compile_request, ctx, plan.response_format)  # structured output
         ids = await anyio.to_thread.run_sync(tokenize_prompt, ctx, plan.prompt)
         if not ids:
             raise bad_request("invalid_value", "The prompt encodes to no tokens.", "prompt")
@@ -52,7 +54,7 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: 
                                 ignore_eos=plan.ignore_eos,
                                 request_id=request.scope.get("state", {}).get("request_id", ""),
                                 deadline=deadline, checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
-                                cache_prompt=plan.cache_prompt)
+                                cache_prompt=plan.cache_prompt, constraint=make_constraint(ctx, compiled))
         handle = ctx.engine.submit(gen)
     except EngineError as e:
         release()

@@ -21,7 +21,7 @@ class SchemaError(ValueError):
 
 def unsupported(keyword: str, path: tuple, why: str = "") -> SchemaError:
     detail = f": {why}" if why else ""
-    return SchemaError("json_schema_not_supported",
+    return SchemaError("json_schema_keyword_not_supported",
                        f"JSON Schema keyword '{keyword}' is not supported by structured output{detail}", path)
 
 

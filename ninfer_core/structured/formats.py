@@ -166,7 +166,8 @@ def admit(fmt: ResponseFormat | None, options: Any) -> ResponseFormat | None:
     if getattr(options, "unconstrained_response_format", False):
         return None
     what = "A GBNF grammar" if fmt.kind == "grammar" else f"The {fmt.kind} response format"
-    code = "grammar_not_supported" if fmt.kind == "grammar" else "response_format_not_supported"
+    code = {"grammar": "grammar_not_supported", "json_schema": "json_schema_not_supported"}.get(
+        fmt.param, "response_format_not_supported")
     raise _bad(code, f"{what} ({fmt.param}) needs a server started with --structured-output, which enforces it "
                "token by token; this server was started without it.", fmt.param)
 

@@ -42,7 +42,7 @@ FORMAT_PATTERNS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}"
 
 
 def _bad(message: str, path: tuple) -> SchemaError:
-    return SchemaError("json_schema_not_supported", f"pattern not supported: {message}", path)
+    return SchemaError("json_schema_keyword_not_supported", f"pattern not supported: {message}", path)
 
 
 def _lit(cp: int) -> str:
