@@ -117,7 +117,11 @@ class StructuredOutput:
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
             raise EngineError(400, "invalid_json_schema", "A tool's parameters must describe an object.", param=param)
         try:
-            compiled = self.compiler.compile_structural_tag(forced_call_rest(grammar_copy(schema, False)))
+            tag = forced_call_rest(grammar_copy(schema, False))
+        except SchemaError as e:
+            raise e.to_engine_error(param) from None
+        try:
+            compiled = self.compiler.compile_structural_tag(tag)
         except Exception as e:  # noqa: BLE001
             raise EngineError(400, "invalid_json_schema", f"The tool's parameter schema cannot be compiled: "
                               f"{_first_line(e)}", param=param) from None

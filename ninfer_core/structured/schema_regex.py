@@ -6,7 +6,7 @@ quotes, with full-match semantics, and does not understand `(?:`. This module va
 pattern against the supported subset (spec "Structured output": no backreferences, boundary
 assertions, inline flags, lookarounds, unknown alphabetic escapes, stacked or lazy quantifiers,
 spaced repetition counts, whitespace class escapes beside a range hyphen, anchors away from the
-boundaries) and rewrites it: plain groups, search semantics made explicit, and no atom that could
+boundaries) and rewrites it: plain groups, '?' as {0,1}, search semantics made explicit, no atom that could
 produce a quote, a backslash or a control character raw (those need a JSON escape, which xgrammar's
 regex path cannot spell: measured with xgrammar 0.2.9, a literal `"` in a pattern is emitted raw, so
 such patterns are refused instead of producing invalid JSON).
@@ -35,7 +35,7 @@ _YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9])"
 _LEAP = "([0-9][0-9](0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
          f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
-_TIME = ("([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?"
+_TIME = ("([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9}){0,1}"
          "(Z|[+\\-]([01][0-9]|2[0-3]):[0-5][0-9])")
 # Gregorian month lengths and leap years, years 0001-9999, RFC 3339 offsets; no leap second.
 FORMAT_PATTERNS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}"}
@@ -257,7 +257,8 @@ class _Parser:
                     out.append(self.quantifier_braces())
                 else:
                     self.i += 1
-                    out.append(c)
+                    # xgrammar 0.2.9 reads a '?' after ')' as a literal question mark
+                    out.append("{0,1}" if c == "?" else c)
                 quantified = True
                 continue
             quantified = False

@@ -305,14 +305,14 @@ class Tracker:
                 s.decoded += chr(full).encode("utf-8")
                 return True
             return self._char(s, cp)
-        if s.high is not None:
-            return False  # a high surrogate must be followed by its low half
         if b == ord("\\"):
-            if s.hi is not None and s.count >= s.hi:
-                return False  # every escape spells one more scalar
+            if s.hi is not None and s.count >= s.hi and s.high is None:
+                return False  # every escape spells one more scalar (but the low half of a pair)
             s.esc = 1
             s.escaped = True
             return True
+        if s.high is not None:
+            return False  # a high surrogate must be followed by its low half
         if b == ord('"'):
             return self._close(s)
         if b & 0xC0 != 0x80:
@@ -366,20 +366,12 @@ class Tracker:
             if top.hi is not None:
                 over = tables.plain & (tables.n_lead > top.hi - top.count)
                 words &= ~pack(over)[: words.shape[0]]
-            if top.hi is not None or top.lo is not None or self._in_unique() or self._in_open_object(top):
+            if self.plan.watches:  # a quote may close this string and start on a watched value
                 self._simulate(words, tables.complex_ids)
             return
         words &= ~tables.bad_out_words[: words.shape[0]]
         if self.plan.watches:
             self._simulate(words, tables.quote_or_comma_ids)
-
-    def _in_open_object(self, top: _Str) -> bool:
-        parent = self.stack[-2] if len(self.stack) > 1 else None
-        return top.key and isinstance(parent, _Container) and parent.declared is not None
-
-    def _in_unique(self) -> bool:
-        parent = self.stack[-2] if len(self.stack) > 1 else None
-        return isinstance(parent, _Container) and parent.seen is not None
 
     def _simulate(self, words: np.ndarray, candidates: np.ndarray | None) -> None:
         bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab.size]
