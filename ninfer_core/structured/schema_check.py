@@ -118,10 +118,11 @@ class _Walker:
             return self.root
         if not ref.startswith("#/"):
             raise unsupported("$ref", path, f"only local references (# or #/path) are supported, got {ref[:80]!r}")
+        segments = ref[2:].split("/")
+        if any(not seg or "~" in seg or "%" in seg for seg in segments):
+            raise unsupported("$ref", path, "escaped or empty path segments are not supported")
         node = self.root
-        for seg in ref[2:].split("/"):
-            if not seg or "~" in seg or "%" in seg:
-                raise unsupported("$ref", path, "escaped or empty path segments are not supported")
+        for seg in segments:
             if isinstance(node, dict) and seg in node:
                 node = node[seg]
             elif isinstance(node, list) and seg.isdigit() and int(seg) < len(node):
@@ -198,6 +199,9 @@ class _Walker:
     def _implied_type(self, node: dict, path: tuple) -> list[str] | None:
         families = [name for name, kws in (("object", OBJECT_KW), ("array", ARRAY_KW), ("string", STRING_KW))
                     if any(k in node for k in kws)]
+        for key in ("pattern", "format"):
+            if key in node:
+                raise unsupported(key, path + (key,), f"{key} needs an explicit string type")
         numeric = [k for k in NUMBER_KW if k in node]
         if numeric:
             raise unsupported(numeric[0], path + (numeric[0],), "numeric bounds need an explicit integer or "
