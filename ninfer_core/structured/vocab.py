@@ -143,8 +143,23 @@ class StaticTables:
             stripped = b.lstrip(b" \t\r\n")
             if stripped[:1] == b",":
                 first_comma[i] = True
+        # One quote and no backslash: inside a string it closes it after `pre` and leaves only
+        # structure behind (no string opens in its tail): checked against the string's rules by
+        # lookups instead of running the tracker over it.
+        self.simple_close = np.zeros(n, dtype=bool)
+        self.n_pre = np.zeros(n, dtype=np.int32)
+        self.close_by_pre: dict[bytes, np.ndarray] = {}
+        by_pre: dict[bytes, list[int]] = {}
+        for i, b in enumerate(token_bytes):
+            if b.count(b'"') == 1 and BACKSLASH not in b:
+                pre = b[: b.index(b'"')]
+                self.simple_close[i] = True
+                self.n_pre[i] = sum(1 for x in pre if x & 0xC0 != 0x80)
+                by_pre.setdefault(pre, []).append(i)
+        self.close_by_pre = {k: np.asarray(v, dtype=np.int64) for k, v in by_pre.items()}
         self.plain = ~complex_
         self.complex_ids = np.flatnonzero(complex_)
+        self.hard_ids = np.flatnonzero(complex_ & ~self.simple_close)  # backslashes or several quotes
         self.quote_or_comma_ids = np.flatnonzero(quote_or_comma)
         self.first_comma_words = pack(first_comma)
         self.bad_in_words = pack(bad_in)
