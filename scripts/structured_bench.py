@@ -94,11 +94,20 @@ def masks(a) -> dict:
                 continue
             replay(so, compiled, doc, grammar, semantic, total)
     ms = 1000.0
-    return {"vocab": a.vocab, "schemas": len(CORPUS), "positions": len(total), "setup_s": setup,
-            "compile_ms_mean": statistics.mean(compile_s) * ms, "compile_ms_p99": pct(compile_s, 0.99) * ms,
-            "mask_ms_mean": statistics.mean(total) * ms, "mask_ms_p99": pct(total, 0.99) * ms,
-            "grammar_ms_mean": statistics.mean(grammar) * ms, "grammar_ms_p99": pct(grammar, 0.99) * ms,
-            "semantic_ms_mean": statistics.mean(semantic) * ms, "semantic_ms_p99": pct(semantic, 0.99) * ms}
+    return {
+        "vocab": a.vocab,
+        "schemas": len(CORPUS),
+        "positions": len(total),
+        "setup_s": setup,
+        "compile_ms_mean": statistics.mean(compile_s) * ms,
+        "compile_ms_p99": pct(compile_s, 0.99) * ms,
+        "mask_ms_mean": statistics.mean(total) * ms,
+        "mask_ms_p99": pct(total, 0.99) * ms,
+        "grammar_ms_mean": statistics.mean(grammar) * ms,
+        "grammar_ms_p99": pct(grammar, 0.99) * ms,
+        "semantic_ms_mean": statistics.mean(semantic) * ms,
+        "semantic_ms_p99": pct(semantic, 0.99) * ms,
+    }
 
 
 def decode(a) -> dict:
@@ -139,8 +148,15 @@ def decode(a) -> dict:
     greedy = SamplingParams(temperature=0.0)
 
     async def one(constraint):
-        h = eng.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy, max_tokens=a.tokens,
-                                         ignore_eos=constraint is None, constraint=constraint))
+        h = eng.submit(
+            GenerationRequest(
+                prompt_ids=prompt,
+                sampling=greedy,
+                max_tokens=a.tokens,
+                ignore_eos=constraint is None,
+                constraint=constraint,
+            )
+        )
         async for ev in h.events():
             if ev.kind == "error":
                 raise ev.error
@@ -161,7 +177,9 @@ def decode(a) -> dict:
                     mask_s += c.mask_seconds
             rows[name] = {"tok_per_s": statistics.median(rates), "tokens": statistics.median(tokens)}
             if mask_s:
-                rows[name].update(mask_ms_mean=statistics.mean(mask_s) * 1e3, mask_ms_p99=pct(mask_s, 0.99) * 1e3)
+                rows[name].update(
+                    mask_ms_mean=statistics.mean(mask_s) * 1e3, mask_ms_p99=pct(mask_s, 0.99) * 1e3
+                )
     finally:
         eng.shutdown(timeout=30)
     rows["ratio"] = rows["schema"]["tok_per_s"] / rows["unconstrained"]["tok_per_s"]
@@ -172,8 +190,12 @@ def decode(a) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="default", help="a bench shape (random weights), an artifact path, or "
-                   "'default' (the default artifact: ninfer-tiny)")
+    p.add_argument(
+        "--shape",
+        default="default",
+        help="a bench shape (random weights), an artifact path, or "
+        "'default' (the default artifact: ninfer-tiny)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--vocab", type=int, default=248320, help="logits width for the mask timing")
     p.add_argument("--tokens", type=int, default=256)
@@ -185,17 +207,23 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     res = {"masks": masks(a)}
     m = res["masks"]
-    print(f"masks: Qwen3.5 tokenizer, {m['vocab']} logits, {m['schemas']} schemas, {m['positions']} positions: "
-          f"mean {m['mask_ms_mean']:.3f} ms, p99 {m['mask_ms_p99']:.3f} ms per token (xgrammar fill "
-          f"{m['grammar_ms_mean']:.3f} / {m['grammar_ms_p99']:.3f}, beside it {m['semantic_ms_mean']:.3f} / "
-          f"{m['semantic_ms_p99']:.3f}); compile mean {m['compile_ms_mean']:.1f} ms, p99 {m['compile_ms_p99']:.1f} ms; "
-          f"set-up {m['setup_s']:.1f} s", flush=True)
+    print(
+        f"masks: Qwen3.5 tokenizer, {m['vocab']} logits, {m['schemas']} schemas, {m['positions']} positions: "
+        f"mean {m['mask_ms_mean']:.3f} ms, p99 {m['mask_ms_p99']:.3f} ms per token (xgrammar fill "
+        f"{m['grammar_ms_mean']:.3f} / {m['grammar_ms_p99']:.3f}, beside it {m['semantic_ms_mean']:.3f} / "
+        f"{m['semantic_ms_p99']:.3f}); compile mean {m['compile_ms_mean']:.1f} ms, p99 {m['compile_ms_p99']:.1f} ms; "
+        f"set-up {m['setup_s']:.1f} s",
+        flush=True,
+    )
     if not a.masks_only:
         res["decode"] = d = decode(a)
-        print(f"decode: {d['model']} on {d['device']}: unconstrained {d['unconstrained']['tok_per_s']:.1f} tok/s, "
-              f"schema {d['schema']['tok_per_s']:.1f} tok/s ({d['ratio']:.3f} of unconstrained; "
-              f"{d['schema']['tokens']:.0f} tokens; engine masks mean {d['schema'].get('mask_ms_mean', 0):.3f} ms, "
-              f"p99 {d['schema'].get('mask_ms_p99', 0):.3f} ms)", flush=True)
+        print(
+            f"decode: {d['model']} on {d['device']}: unconstrained {d['unconstrained']['tok_per_s']:.1f} tok/s, "
+            f"schema {d['schema']['tok_per_s']:.1f} tok/s ({d['ratio']:.3f} of unconstrained; "
+            f"{d['schema']['tokens']:.0f} tokens; engine masks mean {d['schema'].get('mask_ms_mean', 0):.3f} ms, "
+            f"p99 {d['schema'].get('mask_ms_p99', 0):.3f} ms)",
+            flush=True,
+        )
     if a.json:
         print(json.dumps(res))
     return 0

@@ -52,43 +52,84 @@ CORPUS: list[dict] = [
     obj({"picks": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}}),
     {"type": "array", "items": obj({"k": S4, "v": INT}), "maxItems": 2},
     {"type": "array", "prefixItems": [S4, INT, BOOL], "items": False},
-    obj({"matrix": {"type": "array", "items": {"type": "array", "items": INT, "maxItems": 2}, "maxItems": 2}}),
+    obj(
+        {"matrix": {"type": "array", "items": {"type": "array", "items": INT, "maxItems": 2}, "maxItems": 2}}
+    ),
     obj({"one": {"type": "array", "items": {"type": "integer"}, "maxItems": 1, "uniqueItems": True}}),
     {"type": "array", "items": {"const": "z"}, "uniqueItems": True},
     obj({"empty": {"type": "array", "maxItems": 0}}),
     # 30-39: nesting and references
-    obj({"person": obj({"name": S8, "address": obj({"city": S8, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})})}),
-    {"$defs": {"pt": obj({"x": INT, "y": INT})}, **obj({"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}})},
+    obj(
+        {
+            "person": obj(
+                {"name": S8, "address": obj({"city": S8, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})}
+            )
+        }
+    ),
+    {
+        "$defs": {"pt": obj({"x": INT, "y": INT})},
+        **obj({"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}),
+    },
     {"definitions": {"name": S8}, **obj({"first": {"$ref": "#/definitions/name"}})},
-    {"$defs": {"node": obj({"v": INT, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1}},
-                           required=["v"])}, "$ref": "#/$defs/node"},
+    {
+        "$defs": {
+            "node": obj(
+                {"v": INT, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1}},
+                required=["v"],
+            )
+        },
+        "$ref": "#/$defs/node",
+    },
     obj({"meta": obj({"version": {"type": "integer", "minimum": 1, "maximum": 3}, "beta": BOOL})}),
     {"$ref": "#/$defs/x", "$defs": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}},
-    obj({"items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 2}},
-        **{"$defs": {"item": obj({"sku": S4, "qty": INT})}}),
-    obj({"inner": {"type": "object", "properties": {"z": S4}, "additionalProperties": False, "required": ["z"]}}),
+    obj(
+        {"items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 2}},
+        **{"$defs": {"item": obj({"sku": S4, "qty": INT})}},
+    ),
+    obj(
+        {
+            "inner": {
+                "type": "object",
+                "properties": {"z": S4},
+                "additionalProperties": False,
+                "required": ["z"],
+            }
+        }
+    ),
     {"title": "Weather", "description": "a report", **obj({"city": {**S8, "description": "where"}})},
     obj({"deep": obj({"deeper": obj({"deepest": BOOL})})}),
     # 40-49: anyOf, formats, patterns, open objects
     {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
     obj({"value": {"anyOf": [S4, {"type": "null"}]}}),
-    {"type": "object", "required": ["kind"], "anyOf": [obj({"kind": {"const": "a"}, "n": INT}),
-                                                        obj({"kind": {"const": "b"}, "s": S4})]},
+    {
+        "type": "object",
+        "required": ["kind"],
+        "anyOf": [obj({"kind": {"const": "a"}, "n": INT}), obj({"kind": {"const": "b"}, "s": S4})],
+    },
     obj({"day": {"type": "string", "format": "date"}}),
     obj({"at": {"type": "string", "format": "date-time"}}),
     obj({"clock": {"type": "string", "format": "time"}}),
     obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}),
     obj({"hex": {"type": "string", "pattern": "^(0x)?[0-9a-f]{2,4}$"}}),
-    {"type": "object", "properties": {"name": S4}, "required": ["name"], "additionalProperties": INT,
-     "maxProperties": 2},
+    {
+        "type": "object",
+        "properties": {"name": S4},
+        "required": ["name"],
+        "additionalProperties": INT,
+        "maxProperties": 2,
+    },
     obj({"w": S4}, additionalProperties={"type": "boolean"}, maxProperties=2),
     # 50-55: more shapes
     {"type": "string", "minLength": 2, "maxLength": 6},
     {"type": "integer", "minimum": 100, "maximum": 120},
     {"type": "number", "minimum": 0.25, "maximum": 0.75},
     obj({"when": {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]}}),
-    {"type": "object", "required": ["req"], "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
-     "maxProperties": 1},
+    {
+        "type": "object",
+        "required": ["req"],
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxProperties": 1,
+    },
     obj({"list": {"type": "array", "items": {"anyOf": [INT, {"type": "null"}]}, "maxItems": 2}}),
 ]
 

@@ -15,7 +15,6 @@ import random
 import jsonschema
 import numpy as np
 import pytest
-
 from structured_corpus import CORPUS, STRICT
 
 from ninfer_core.engine.api import EngineError
@@ -49,8 +48,13 @@ def tiny():
 
 
 def fmt(schema, strict=False) -> ResponseFormat:
-    return ResponseFormat("json_schema", "response_format", schema, strict=strict,
-                          schema_param="response_format.json_schema.schema")
+    return ResponseFormat(
+        "json_schema",
+        "response_format",
+        schema,
+        strict=strict,
+        schema_param="response_format.json_schema.schema",
+    )
 
 
 def allowed(c) -> np.ndarray:
@@ -70,7 +74,9 @@ def walk(so, tok, c, rng: random.Random, steps: int = 200) -> tuple[str, bool]:
     out = []
     for _ in range(steps):
         assert c.fill_next_mask()
-        bits = np.unpackbits(c.bitmask[0].numpy().view(np.uint8), bitorder="little")[: c.vocab.size].astype(bool)
+        bits = np.unpackbits(c.bitmask[0].numpy().view(np.uint8), bitorder="little")[: c.vocab.size].astype(
+            bool
+        )
         assert bits.any(), f"no token admitted after {tok.decode(out)!r}"
         ends = eos[bits[eos]]
         near = np.flatnonzero(bits & closing)
@@ -90,8 +96,12 @@ def walk(so, tok, c, rng: random.Random, steps: int = 200) -> tuple[str, bool]:
 
 def validate(text: str, schema) -> None:
     value = json.loads(text)
-    jsonschema.validate(value, schema, cls=jsonschema.Draft202012Validator,
-                        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    jsonschema.validate(
+        value,
+        schema,
+        cls=jsonschema.Draft202012Validator,
+        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
+    )
 
 
 @pytest.mark.parametrize("which", ["qwen", "tiny"])
@@ -115,12 +125,21 @@ def test_random_walks_through_the_masks_give_valid_documents(which, request):
 def test_length_bounds_count_decoded_scalars_whatever_the_escape(qwen):
     tok, so = qwen
     compiled = so.compile(fmt({"type": "string", "minLength": 2, "maxLength": 2}))
-    for spelling, ok in (('"\\n\\u00e9"', True), ('"\\ud83d\\ude00x"', True), ('"ab"', True), ('"a"', False),
-                         ('"abc"', False), ('"\\"\\\\"', True)):
+    for spelling, ok in (
+        ('"\\n\\u00e9"', True),
+        ('"\\ud83d\\ude00x"', True),
+        ('"ab"', True),
+        ('"a"', False),
+        ('"abc"', False),
+        ('"\\"\\\\"', True),
+    ):
         c = so.constraint(compiled)
         accepted = all(c.accept(t) for t in tok.encode(spelling))
-        assert accepted and c.matcher.accept_token(tok.eos_token_ids[0]) if ok else not (
-            accepted and c.matcher.is_completed()), spelling
+        assert (
+            accepted and c.matcher.accept_token(tok.eos_token_ids[0])
+            if ok
+            else not (accepted and c.matcher.is_completed())
+        ), spelling
 
 
 def test_masks_never_admit_a_lone_surrogate(qwen):
@@ -161,7 +180,11 @@ def test_a_finite_unique_domain_cannot_repeat_or_continue_after_exhaustion(qwen)
 
 def test_an_additional_key_cannot_alias_a_declared_property(qwen):
     tok, so = qwen
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "additionalProperties": {"type": "integer"}}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "additionalProperties": {"type": "integer"},
+    }
     c = so.constraint(so.compile(fmt(schema)))
     for t in tok.encode('{"name":"x",'):
         assert c.accept(t)
@@ -188,8 +211,12 @@ def test_whitespace_runs_are_bounded_to_eight(qwen):
 
 def test_properties_come_in_declaration_order(qwen):
     tok, so = qwen
-    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
-              "required": ["a", "b"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
     c = so.constraint(so.compile(fmt(schema)))
     assert not all(c.accept(t) for t in tok.encode('{"a":1,"b":2}'))
 
@@ -228,15 +255,34 @@ def test_rollback_undoes_tentative_drafts(qwen):
 
 def test_a_json_format_beside_tools_admits_the_json_or_declared_calls(qwen):
     tok, so = qwen
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
-    compiled = so.compile(fmt({"type": "object", "properties": {"t": {"type": "integer"}}, "required": ["t"]}),
-                          tools=tools)
-    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
-    for text, ok in ((call, True), ('{"t": 3}', True),
-                     (call.replace("get_weather", "get_time"), False),
-                     ("<tool_call>\n<function=get_weather>\n<parameter=days>\n1\n</parameter>\n<parameter=city>\nX\n"
-                      "</parameter>\n</function>\n</tool_call>", False)):  # declaration order
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    compiled = so.compile(
+        fmt({"type": "object", "properties": {"t": {"type": "integer"}}, "required": ["t"]}), tools=tools
+    )
+    call = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    )
+    for text, ok in (
+        (call, True),
+        ('{"t": 3}', True),
+        (call.replace("get_weather", "get_time"), False),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=days>\n1\n</parameter>\n<parameter=city>\nX\n"
+            "</parameter>\n</function>\n</tool_call>",
+            False,
+        ),
+    ):  # declaration order
         c = so.constraint(compiled)
         ids = tok.encode(text)
         accepted = all(c.accept(t) for t in ids)
@@ -247,13 +293,21 @@ def test_a_forced_call_follows_the_parameter_schema(qwen):
     from ninfer_core.server.output import OutputDecoder
 
     tok, so = qwen
-    params = {"type": "object", "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "unit": {"enum": ["C", "F"]},
-        "note": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "null"}], "default": None},
-        "hours": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 23}, "maxItems": 3}},
-        "required": ["city", "days"]}
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 8},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            "unit": {"enum": ["C", "F"]},
+            "note": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "null"}], "default": None},
+            "hours": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 23},
+                "maxItems": 3,
+            },
+        },
+        "required": ["city", "days"],
+    }
     compiled = so.compile(None, forced_parameters=params)
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     done = 0
@@ -273,10 +327,16 @@ def test_a_forced_call_follows_the_parameter_schema(qwen):
 def test_a_forced_parameter_the_parser_would_read_as_text_must_admit_a_string(qwen):
     _, so = qwen
     with pytest.raises(EngineError) as e:
-        so.compile(None, forced_parameters={"type": "object", "properties": {"n": {"enum": [1, 2]}}},
-                   forced_param="tools.0.function.parameters")
+        so.compile(
+            None,
+            forced_parameters={"type": "object", "properties": {"n": {"enum": [1, 2]}}},
+            forced_param="tools.0.function.parameters",
+        )
     assert (e.value.status, e.value.code, e.value.param) == (
-        400, "json_schema_keyword_not_supported", "tools.0.function.parameters.properties.n")
+        400,
+        "json_schema_keyword_not_supported",
+        "tools.0.function.parameters.properties.n",
+    )
 
 
 def test_schema_errors_name_the_field_and_keyword(qwen):
@@ -284,7 +344,10 @@ def test_schema_errors_name_the_field_and_keyword(qwen):
     with pytest.raises(EngineError) as e:
         so.compile(fmt({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}))
     assert (e.value.status, e.value.code, e.value.param) == (
-        400, "json_schema_keyword_not_supported", "response_format.json_schema.schema.properties.n.multipleOf")
+        400,
+        "json_schema_keyword_not_supported",
+        "response_format.json_schema.schema.properties.n.multipleOf",
+    )
 
 
 def test_a_gbnf_grammar_constrains_raw_output(qwen):

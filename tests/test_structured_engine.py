@@ -20,11 +20,16 @@ from ninfer_core.testing import ScriptPolicy, ToyRunner, ToyTokenizer, collect, 
 
 TOK = ToyTokenizer()
 SO = StructuredOutput(TOK, 262)
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                           "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]},
-                                                    "uniqueItems": True}},
-          "required": ["name", "n", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "uniqueItems": True},
+    },
+    "required": ["name", "n", "tags"],
+    "additionalProperties": False,
+}
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, seed=7)
 _engines: list[Engine] = []
 
@@ -44,7 +49,9 @@ def engine(runner=None, **opts) -> Engine:
 
 
 def constraint(schema=SCHEMA, **kw) -> Constraint:
-    return SO.constraint(SO.compile(ResponseFormat("json_schema", "response_format", schema, strict=True)), **kw)
+    return SO.constraint(
+        SO.compile(ResponseFormat("json_schema", "response_format", schema, strict=True)), **kw
+    )
 
 
 def run(eng, *requests):
@@ -57,13 +64,34 @@ def run(eng, *requests):
 def test_sampled_outputs_follow_the_schema_beside_unconstrained_requests_in_the_same_rounds():
     runner = ToyRunner()
     eng = engine(runner, max_concurrency=4)
-    plain = [GenerationRequest(prompt_ids=TOK.encode(f"free {i}"), sampling=SamplingParams(temperature=0.0),
-                               max_tokens=40, ignore_eos=True) for i in range(2)]
+    plain = [
+        GenerationRequest(
+            prompt_ids=TOK.encode(f"free {i}"),
+            sampling=SamplingParams(temperature=0.0),
+            max_tokens=40,
+            ignore_eos=True,
+        )
+        for i in range(2)
+    ]
     alone = [o.token_ids for o in run(eng, *plain)]
-    shaped = [GenerationRequest(prompt_ids=TOK.encode(f"json {i}"), sampling=SamplingParams(temperature=1.0, seed=i),
-                                max_tokens=300, constraint=constraint()) for i in range(2)]
-    mixed = [GenerationRequest(prompt_ids=TOK.encode(f"free {i}"), sampling=SamplingParams(temperature=0.0),
-                               max_tokens=40, ignore_eos=True) for i in range(2)]
+    shaped = [
+        GenerationRequest(
+            prompt_ids=TOK.encode(f"json {i}"),
+            sampling=SamplingParams(temperature=1.0, seed=i),
+            max_tokens=300,
+            constraint=constraint(),
+        )
+        for i in range(2)
+    ]
+    mixed = [
+        GenerationRequest(
+            prompt_ids=TOK.encode(f"free {i}"),
+            sampling=SamplingParams(temperature=0.0),
+            max_tokens=40,
+            ignore_eos=True,
+        )
+        for i in range(2)
+    ]
     runner.calls.clear()
     outs = run(eng, *(shaped + mixed))
     for o in outs[:2]:
@@ -96,11 +124,20 @@ def test_a_token_the_grammar_refuses_fails_only_its_request_with_500():
     prompt = TOK.encode("bad")
     runner = ToyRunner(policy=ScriptPolicy({tuple(prompt): list(b"not json")}))
     eng = engine(runner, max_concurrency=2)
-    bad = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.0), max_tokens=20,
-                            constraint=_like(_Broken, constraint()))
-    good = GenerationRequest(prompt_ids=TOK.encode("good"), sampling=SAMPLED, max_tokens=300, constraint=constraint())
+    bad = GenerationRequest(
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=20,
+        constraint=_like(_Broken, constraint()),
+    )
+    good = GenerationRequest(
+        prompt_ids=TOK.encode("good"), sampling=SAMPLED, max_tokens=300, constraint=constraint()
+    )
     out_bad, out_good = run(eng, bad, good)
-    assert out_bad.error is not None and (out_bad.error.status, out_bad.error.code) == (500, "grammar_violation")
+    assert out_bad.error is not None and (out_bad.error.status, out_bad.error.code) == (
+        500,
+        "grammar_violation",
+    )
     assert out_good.finish.finish_reason == "stop"
     jsonschema.validate(json.loads(out_good.text), SCHEMA)
     snap = eng.snapshot()
@@ -111,12 +148,20 @@ def test_a_token_the_grammar_refuses_fails_only_its_request_with_500():
 def test_a_mask_over_the_timeout_fails_only_its_request():
     eng = engine(max_concurrency=2)
     eng._masks.timeout_s = 0.3  # the 5 s bound, shortened for the test
-    slow = GenerationRequest(prompt_ids=TOK.encode("slow"), sampling=SAMPLED, max_tokens=50,
-                             constraint=_like(_Slow, constraint()))
-    free = GenerationRequest(prompt_ids=TOK.encode("free"), sampling=SamplingParams(temperature=0.0), max_tokens=30,
-                             ignore_eos=True)
+    slow = GenerationRequest(
+        prompt_ids=TOK.encode("slow"), sampling=SAMPLED, max_tokens=50, constraint=_like(_Slow, constraint())
+    )
+    free = GenerationRequest(
+        prompt_ids=TOK.encode("free"),
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=30,
+        ignore_eos=True,
+    )
     out_slow, out_free = run(eng, slow, free)
-    assert out_slow.error is not None and (out_slow.error.status, out_slow.error.code) == (500, "grammar_mask_timeout")
+    assert out_slow.error is not None and (out_slow.error.status, out_slow.error.code) == (
+        500,
+        "grammar_mask_timeout",
+    )
     assert out_free.finish.finish_reason == "length" and len(out_free.token_ids) == 30
 
 
@@ -126,12 +171,17 @@ def test_thinking_first_then_constrained_content():
     reasoning = list(b"{not json") + [close] + [10, 10]
     runner = ToyRunner(policy=ScriptPolicy({tuple(prompt): reasoning}))
     eng = engine(runner)
-    r = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.0), max_tokens=300,
-                          in_reasoning=True, think_end_ids=[close],
-                          constraint=constraint(in_reasoning=True, think_end_ids=[close]))
+    r = GenerationRequest(
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=300,
+        in_reasoning=True,
+        think_end_ids=[close],
+        constraint=constraint(in_reasoning=True, think_end_ids=[close]),
+    )
     (out,) = run(eng, r)
     assert out.finish.finish_reason == "stop", out.events[-1]
     ids = out.token_ids
     assert ids[: len(reasoning) - 1] == reasoning[:-1]  # reasoning and the close were not masked
-    body = TOK.decode(ids[ids.index(close) + 1:])
+    body = TOK.decode(ids[ids.index(close) + 1 :])
     jsonschema.validate(json.loads(body), SCHEMA)

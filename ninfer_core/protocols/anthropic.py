@@ -27,7 +27,6 @@ from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
 from ninfer_core.protocols.anthropic_history import omitted_signature, visible_signature
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
-from ninfer_core.structured.request import compile_request, make_constraint
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop, internal_error
 from ninfer_core.server.output import OutputDecoder, OutputEvent
@@ -47,6 +46,7 @@ from ninfer_core.server.sse import (
     unless_disconnected,
     with_keepalive,
 )
+from ninfer_core.structured.request import compile_request, make_constraint
 
 PING = 'event: ping\ndata: {"type":"ping"}\n\n'
 log = logging.getLogger("ninfer.server")

@@ -26,7 +26,12 @@ from ninfer_core.protocols.anthropic_history import (
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import collapse_effort
-from ninfer_core.structured.formats import ResponseFormat, anthropic_output_format, refuse_conflicts, with_instruction
+from ninfer_core.structured.formats import (
+    ResponseFormat,
+    anthropic_output_format,
+    refuse_conflicts,
+    with_instruction,
+)
 
 MIN_THINKING_BUDGET = 1024
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")

@@ -37,7 +37,6 @@ from ninfer_core.server.prepare import (
     resolve_sampling,
     thinking_fields,
 )
-from ninfer_core.structured.request import compile_request, make_constraint
 from ninfer_core.server.sse import (
     DONE,
     KEEPALIVE,
@@ -48,6 +47,7 @@ from ninfer_core.server.sse import (
     sse_data,
     unless_disconnected,
 )
+from ninfer_core.structured.request import compile_request, make_constraint
 
 log = logging.getLogger("ninfer.server")
 

@@ -47,8 +47,6 @@ from ninfer_core.server.prepare import (
     thinking_fields,
 )
 from ninfer_core.server.response_store import ResponseStore, StoredResponse, record_size
-from ninfer_core.structured.formats import with_instruction
-from ninfer_core.structured.request import compile_request, make_constraint
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
@@ -56,6 +54,8 @@ from ninfer_core.server.sse import (
     unless_disconnected,
     with_keepalive,
 )
+from ninfer_core.structured.formats import with_instruction
+from ninfer_core.structured.request import compile_request, make_constraint
 
 log = logging.getLogger("ninfer.server")
 SESSION_KEY_MAX = 64

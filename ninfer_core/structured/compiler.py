@@ -45,8 +45,12 @@ class CompiledFormat:
 class StructuredOutput:
     def __init__(self, tokenizer, vocab_size: int, threads: int = 2):
         self.vocab = VocabTables(tokenizer, vocab_size)
-        self.info = xgr.TokenizerInfo(self.vocab.token_bytes, xgr.VocabType.RAW, vocab_size=self.vocab.size,
-                                      stop_token_ids=list(self.vocab.eos_ids) or None)
+        self.info = xgr.TokenizerInfo(
+            self.vocab.token_bytes,
+            xgr.VocabType.RAW,
+            vocab_size=self.vocab.size,
+            stop_token_ids=list(self.vocab.eos_ids) or None,
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_limit_bytes=256 << 20)
         self.close_words = self.vocab.close_whitespace_words()
         self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -57,8 +61,15 @@ class StructuredOutput:
         _ = self.vocab.tables
 
     # -- compiling -----------------------------------------------------------------------------
-    def compile(self, fmt: ResponseFormat | None, *, tools: list[dict] | None = None, parallel: bool = True,
-                forced_parameters: Any = None, forced_param: str = "tools") -> CompiledFormat:
+    def compile(
+        self,
+        fmt: ResponseFormat | None,
+        *,
+        tools: list[dict] | None = None,
+        parallel: bool = True,
+        forced_parameters: Any = None,
+        forced_param: str = "tools",
+    ) -> CompiledFormat:
         """The compiled constraint for a request; EngineError 400 naming the field on a bad schema."""
         key = json.dumps([fmt.__dict__ if fmt else None, tools, parallel, forced_parameters], default=str)
         with self._lock:
@@ -82,8 +93,12 @@ class StructuredOutput:
                 grammar = xgr.Grammar.from_ebnf(fmt.grammar)
                 compiled = self.compiler.compile_grammar(grammar)
             except Exception as e:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
-                raise EngineError(400, "invalid_grammar", f"The GBNF grammar does not parse: {_first_line(e)}",
-                                  param=fmt.param) from None
+                raise EngineError(
+                    400,
+                    "invalid_grammar",
+                    f"The GBNF grammar does not parse: {_first_line(e)}",
+                    param=fmt.param,
+                ) from None
             return CompiledFormat(compiled, None, self.close_words, kind="grammar")
         if fmt.kind == "json_object":
             schema, strict, any_of = {"type": "object"}, False, False
@@ -97,15 +112,20 @@ class StructuredOutput:
         grammar_schema = grammar_copy(schema, strip_lengths=not any_of)
         text = json.dumps(grammar_schema, ensure_ascii=False)
         try:
-            json_grammar = xgr.Grammar.from_json_schema(text, any_whitespace=True, strict_mode=strict,
-                                                        max_whitespace_cnt=MAX_WHITESPACE)
+            json_grammar = xgr.Grammar.from_json_schema(
+                text, any_whitespace=True, strict_mode=strict, max_whitespace_cnt=MAX_WHITESPACE
+            )
             if tools:
                 calls = xgr.Grammar.from_structural_tag(auto_calls(tools, parallel))
                 json_grammar = xgr.Grammar.union(json_grammar, calls)
             compiled = self.compiler.compile_grammar(json_grammar)
         except Exception as e:  # noqa: BLE001 - a schema xgrammar cannot compile is the client's
-            raise EngineError(400, "invalid_json_schema", f"The schema cannot be compiled: {_first_line(e)}",
-                              param=fmt.schema_param or fmt.param) from None
+            raise EngineError(
+                400,
+                "invalid_json_schema",
+                f"The schema cannot be compiled: {_first_line(e)}",
+                param=fmt.schema_param or fmt.param,
+            ) from None
         plan = Plan(schema, strict)
         return CompiledFormat(compiled, plan, self.close_words, with_tools=bool(tools), kind=fmt.kind)
 
@@ -115,7 +135,9 @@ class StructuredOutput:
         except SchemaError as e:
             raise e.to_engine_error(param) from None
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-            raise EngineError(400, "invalid_json_schema", "A tool's parameters must describe an object.", param=param)
+            raise EngineError(
+                400, "invalid_json_schema", "A tool's parameters must describe an object.", param=param
+            )
         try:
             tag = forced_call_rest(grammar_copy(schema, False))
         except SchemaError as e:
@@ -123,12 +145,18 @@ class StructuredOutput:
         try:
             compiled = self.compiler.compile_structural_tag(tag)
         except Exception as e:  # noqa: BLE001
-            raise EngineError(400, "invalid_json_schema", f"The tool's parameter schema cannot be compiled: "
-                              f"{_first_line(e)}", param=param) from None
+            raise EngineError(
+                400,
+                "invalid_json_schema",
+                f"The tool's parameter schema cannot be compiled: {_first_line(e)}",
+                param=param,
+            ) from None
         return CompiledFormat(compiled, None, self.close_words, kind="forced_call")
 
     # -- per request ---------------------------------------------------------------------------
-    def constraint(self, compiled: CompiledFormat, *, in_reasoning: bool = False, think_end_ids=()) -> Constraint:
+    def constraint(
+        self, compiled: CompiledFormat, *, in_reasoning: bool = False, think_end_ids=()
+    ) -> Constraint:
         return Constraint(compiled, self.vocab, in_reasoning=in_reasoning, think_end_ids=think_end_ids)
 
 

@@ -21,8 +21,11 @@ class SchemaError(ValueError):
 
 def unsupported(keyword: str, path: tuple, why: str = "") -> SchemaError:
     detail = f": {why}" if why else ""
-    return SchemaError("json_schema_keyword_not_supported",
-                       f"JSON Schema keyword '{keyword}' is not supported by structured output{detail}", path)
+    return SchemaError(
+        "json_schema_keyword_not_supported",
+        f"JSON Schema keyword '{keyword}' is not supported by structured output{detail}",
+        path,
+    )
 
 
 def invalid(message: str, path: tuple) -> SchemaError:
@@ -30,10 +33,18 @@ def invalid(message: str, path: tuple) -> SchemaError:
 
 
 def mask_timeout(seconds: float) -> EngineError:
-    return EngineError(500, "grammar_mask_timeout", f"The structured-output token mask took longer than "
-                       f"{seconds:g} s; the request was stopped.", type_="server_error")
+    return EngineError(
+        500,
+        "grammar_mask_timeout",
+        f"The structured-output token mask took longer than {seconds:g} s; the request was stopped.",
+        type_="server_error",
+    )
 
 
 def grammar_violation() -> EngineError:
-    return EngineError(500, "grammar_violation", "The model produced a token the response grammar does not "
-                       "admit; the request was stopped.", type_="server_error")
+    return EngineError(
+        500,
+        "grammar_violation",
+        "The model produced a token the response grammar does not admit; the request was stopped.",
+        type_="server_error",
+    )

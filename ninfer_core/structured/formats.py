@@ -75,8 +75,9 @@ def chat_response_format(rf: Any, param: str = "response_format") -> ResponseFor
     if kind == "json_object":
         schema = rf.get("schema")  # llama.cpp's extension: a schema beside json_object
         if schema is not None:
-            return ResponseFormat("json_schema", param, _schema_value(schema, f"{param}.schema"),
-                                  schema_param=f"{param}.schema")
+            return ResponseFormat(
+                "json_schema", param, _schema_value(schema, f"{param}.schema"), schema_param=f"{param}.schema"
+            )
         return ResponseFormat("json_object", param)
     if kind == "json_schema":
         spec = rf.get("json_schema")
@@ -84,15 +85,23 @@ def chat_response_format(rf: Any, param: str = "response_format") -> ResponseFor
         if spec is None and "schema" in rf:  # some clients send the schema flat
             spec, p = rf, param
         if not isinstance(spec, dict):
-            raise _bad("missing_required_parameter" if spec is None else "invalid_type",
-                       f"{param}.json_schema must be an object with the schema.", f"{param}.json_schema")
+            raise _bad(
+                "missing_required_parameter" if spec is None else "invalid_type",
+                f"{param}.json_schema must be an object with the schema.",
+                f"{param}.json_schema",
+            )
         name = _opt_str(spec.get("name"), f"{p}.name")
         if name is not None and not NAME.match(name):
             raise _bad("invalid_value", f"{p}.name must be 1-64 letters, digits, '_' or '-'.", f"{p}.name")
-        return ResponseFormat("json_schema", param, _schema_value(spec.get("schema"), f"{p}.schema"),
-                              strict=_strict(spec.get("strict"), f"{p}.strict"), name=name,
-                              description=_opt_str(spec.get("description"), f"{p}.description"),
-                              schema_param=f"{p}.schema")
+        return ResponseFormat(
+            "json_schema",
+            param,
+            _schema_value(spec.get("schema"), f"{p}.schema"),
+            strict=_strict(spec.get("strict"), f"{p}.strict"),
+            name=name,
+            description=_opt_str(spec.get("description"), f"{p}.description"),
+            schema_param=f"{p}.schema",
+        )
     raise _bad("invalid_value", f"{param}.type must be text, json_object or json_schema.", f"{param}.type")
 
 
@@ -109,17 +118,30 @@ def responses_text_format(fmt: Any, param: str = "text.format") -> ResponseForma
         return ResponseFormat("json_object", param)
     if kind == "json_schema":
         if "schema" not in fmt:
-            raise _bad("missing_required_parameter", f"'{param}.schema' is required for json_schema.",
-                       f"{param}.schema")
+            raise _bad(
+                "missing_required_parameter",
+                f"'{param}.schema' is required for json_schema.",
+                f"{param}.schema",
+            )
         name = _opt_str(fmt.get("name"), f"{param}.name")
         if name is not None and not NAME.match(name):
-            raise _bad("invalid_value", f"{param}.name must be 1-64 letters, digits, '_' or '-'.", f"{param}.name")
-        return ResponseFormat("json_schema", param, _schema_value(fmt.get("schema"), f"{param}.schema"),
-                              strict=_strict(fmt.get("strict"), f"{param}.strict"), name=name,
-                              description=_opt_str(fmt.get("description"), f"{param}.description"),
-                              schema_param=f"{param}.schema")
-    raise _bad("invalid_value", f"text.format type {json.dumps(kind)[:40]} is not text, json_object or "
-               "json_schema.", f"{param}.type")
+            raise _bad(
+                "invalid_value", f"{param}.name must be 1-64 letters, digits, '_' or '-'.", f"{param}.name"
+            )
+        return ResponseFormat(
+            "json_schema",
+            param,
+            _schema_value(fmt.get("schema"), f"{param}.schema"),
+            strict=_strict(fmt.get("strict"), f"{param}.strict"),
+            name=name,
+            description=_opt_str(fmt.get("description"), f"{param}.description"),
+            schema_param=f"{param}.schema",
+        )
+    raise _bad(
+        "invalid_value",
+        f"text.format type {json.dumps(kind)[:40]} is not text, json_object or json_schema.",
+        f"{param}.type",
+    )
 
 
 def anthropic_output_format(fmt: Any, param: str) -> ResponseFormat:
@@ -130,8 +152,13 @@ def anthropic_output_format(fmt: Any, param: str) -> ResponseFormat:
         raise _bad("invalid_value", f"'{param}.type' must be json_schema.", f"{param}.type")
     if "schema" not in fmt:
         raise _bad("missing_required_parameter", f"'{param}.schema' is required.", f"{param}.schema")
-    return ResponseFormat("json_schema", param, _schema_value(fmt.get("schema"), f"{param}.schema"), strict=True,
-                          schema_param=f"{param}.schema")
+    return ResponseFormat(
+        "json_schema",
+        param,
+        _schema_value(fmt.get("schema"), f"{param}.schema"),
+        strict=True,
+        schema_param=f"{param}.schema",
+    )
 
 
 def llamacpp_json_schema(schema: Any, param: str = "json_schema") -> ResponseFormat | None:
@@ -167,23 +194,40 @@ def admit(fmt: ResponseFormat | None, options: Any) -> ResponseFormat | None:
         return None
     what = "A GBNF grammar" if fmt.kind == "grammar" else f"The {fmt.kind} response format"
     code = {"grammar": "grammar_not_supported", "json_schema": "json_schema_not_supported"}.get(
-        fmt.param, "response_format_not_supported")
-    raise _bad(code, f"{what} ({fmt.param}) needs a server started with --structured-output, which enforces it "
-               "token by token; this server was started without it.", fmt.param)
+        fmt.param, "response_format_not_supported"
+    )
+    raise _bad(
+        code,
+        f"{what} ({fmt.param}) needs a server started with --structured-output, which enforces it "
+        "token by token; this server was started without it.",
+        fmt.param,
+    )
 
 
-def refuse_conflicts(fmt: ResponseFormat | None, *, stop: list | None = None, stop_param: str = "stop",
-                     ignore_eos: bool = False) -> None:
+def refuse_conflicts(
+    fmt: ResponseFormat | None,
+    *,
+    stop: list | None = None,
+    stop_param: str = "stop",
+    ignore_eos: bool = False,
+) -> None:
     """Options a constrained request cannot have (spec: custom stops are rejected)."""
     if fmt is None:
         return
     if stop:
-        raise _bad("stop_not_supported", f"Custom stop strings cannot be combined with a constrained response "
-                   f"format ({fmt.param}): a stop string would cut the document short.", stop_param)
+        raise _bad(
+            "stop_not_supported",
+            f"Custom stop strings cannot be combined with a constrained response "
+            f"format ({fmt.param}): a stop string would cut the document short.",
+            stop_param,
+        )
     if ignore_eos:
-        raise _bad("ignore_eos_not_supported", f"ignore_eos cannot be combined with a constrained response "
-                   f"format ({fmt.param}): the grammar ends the output when the document is complete.",
-                   "ignore_eos")
+        raise _bad(
+            "ignore_eos_not_supported",
+            f"ignore_eos cannot be combined with a constrained response "
+            f"format ({fmt.param}): the grammar ends the output when the document is complete.",
+            "ignore_eos",
+        )
 
 
 def instruction(fmt: ResponseFormat, tools: bool) -> str:
@@ -194,8 +238,10 @@ def instruction(fmt: ResponseFormat, tools: bool) -> str:
         schema = json.dumps(fmt.schema, ensure_ascii=False)
         named = f" named {fmt.name}" if fmt.name else ""
         desc = f" ({fmt.description})" if fmt.description else ""
-        text = (f"Answer with a single JSON value{named}{desc} that follows this JSON Schema, as raw JSON "
-                f"without Markdown code fences:\n{schema}")
+        text = (
+            f"Answer with a single JSON value{named}{desc} that follows this JSON Schema, as raw JSON "
+            f"without Markdown code fences:\n{schema}"
+        )
     if tools:
         text += "\nYou may call the available tools first to gather information; give the final answer as that JSON."
     return text

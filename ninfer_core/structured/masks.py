@@ -37,7 +37,9 @@ class MaskStage:
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="ninfer-mask")
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="ninfer-mask"
+                )
             return self._pool
 
     def prefetch(self, c) -> None:
@@ -118,5 +120,9 @@ def _fill(c) -> bool:
 def _mask_error(e: Exception):
     from ninfer_core.engine.api import EngineError
 
-    return EngineError(500, "grammar_mask_failed", f"The structured-output token mask failed: "
-                       f"{type(e).__name__}", type_="server_error")
+    return EngineError(
+        500,
+        "grammar_mask_failed",
+        f"The structured-output token mask failed: {type(e).__name__}",
+        type_="server_error",
+    )

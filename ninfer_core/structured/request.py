@@ -21,13 +21,27 @@ def forced_parameters(tools: list[dict] | None, name: str) -> tuple[Any, str]:
     for i, t in enumerate(tools or []):
         fn = t.get("function", t)
         if fn.get("name") == name:
-            return fn.get("parameters") or {"type": "object", "properties": {}}, f"tools.{i}.function.parameters"
-    raise EngineError(400, "invalid_value", f"tool_choice names {name[:64]!r}, which is not among the tools.",
-                      param="tool_choice")
+            return fn.get("parameters") or {
+                "type": "object",
+                "properties": {},
+            }, f"tools.{i}.function.parameters"
+    raise EngineError(
+        400,
+        "invalid_value",
+        f"tool_choice names {name[:64]!r}, which is not among the tools.",
+        param="tool_choice",
+    )
 
 
-def compile_request(ctx, fmt: ResponseFormat | None, *, tools: list[dict] | None = None, parallel: bool = True,
-                    forced_tool: str | None = None, tool_param: str | None = None):
+def compile_request(
+    ctx,
+    fmt: ResponseFormat | None,
+    *,
+    tools: list[dict] | None = None,
+    parallel: bool = True,
+    forced_tool: str | None = None,
+    tool_param: str | None = None,
+):
     """The CompiledFormat a request runs under, or None (no constraint). Host work."""
     service = getattr(ctx, "structured", None)
     if service is None:
@@ -45,5 +59,8 @@ def make_constraint(ctx, compiled, opens_reasoning: bool = False):
     if compiled is None:
         return None
     close = ctx.tokenizer.token_to_id("</think>") if opens_reasoning else None
-    return ctx.structured.constraint(compiled, in_reasoning=opens_reasoning and close is not None,
-                                     think_end_ids=[close] if close is not None else [])
+    return ctx.structured.constraint(
+        compiled,
+        in_reasoning=opens_reasoning and close is not None,
+        think_end_ids=[close] if close is not None else [],
+    )

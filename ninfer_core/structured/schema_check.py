@@ -11,42 +11,48 @@ keywords (multipleOf, oneOf, not, uniqueItems, ...), so nothing reaches it unche
 
 from __future__ import annotations
 
-import math
-from decimal import Decimal
 from typing import Any
 
 from ninfer_core.structured.errors import SchemaError, invalid, unsupported
-from ninfer_core.structured.schema_regex import FORMAT_PATTERNS, rewrite_pattern
+from ninfer_core.structured.schema_keywords import ARRAY_KW, MAX_DEPTH, OBJECT_KW, STRING_KW, KeywordChecks
 
 ANNOTATIONS = {"$schema", "title", "description", "default", "examples", "$comment"}
 TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 SCHEMA_URIS = {"https://json-schema.org/draft/2020-12/schema", "http://json-schema.org/draft-07/schema"}
-MAX_SAFE = 2**53 - 1
-INT32 = 2**31 - 1
-MAX_DEPTH = 64
-FRACTION_DIGITS = 6  # bounded numbers are generated in decimal notation with at most this many
 
-OBJECT_KW = {"properties", "required", "additionalProperties", "maxProperties"}
-ARRAY_KW = {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"}
-STRING_KW = {"minLength", "maxLength", "pattern", "format"}
 NUMBER_KW = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 STRUCTURE_KW = {"type", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "$id"}
 SUPPORTED = ANNOTATIONS | OBJECT_KW | ARRAY_KW | STRING_KW | NUMBER_KW | STRUCTURE_KW
 # Keywords users send that the subset leaves out, with the reason named in the error.
 REJECTED = {
-    "multipleOf": "multiples are not enforced", "oneOf": "use anyOf", "allOf": "merge the subschemas",
-    "not": "negation is not enforced", "if": "conditionals are not enforced", "then": "conditionals are not enforced",
-    "else": "conditionals are not enforced", "dependentRequired": "dependencies are not enforced",
-    "dependentSchemas": "dependencies are not enforced", "dependencies": "dependencies are not enforced",
-    "patternProperties": "declare the properties", "propertyNames": "key constraints are not enforced",
-    "minProperties": "only maxProperties is enforced", "contains": "contains is not enforced",
-    "minContains": "contains is not enforced", "maxContains": "contains is not enforced",
-    "unevaluatedProperties": "use additionalProperties", "unevaluatedItems": "use items",
-    "additionalItems": "use items", "$dynamicRef": "only local $ref is supported",
-    "$recursiveRef": "only local $ref is supported", "$anchor": "only JSON-pointer $ref is supported",
-    "$dynamicAnchor": "only JSON-pointer $ref is supported", "$recursiveAnchor": "only local $ref is supported",
-    "$vocabulary": "vocabularies are not supported", "contentEncoding": "content keywords are not enforced",
-    "contentMediaType": "content keywords are not enforced", "contentSchema": "content keywords are not enforced",
+    "multipleOf": "multiples are not enforced",
+    "oneOf": "use anyOf",
+    "allOf": "merge the subschemas",
+    "not": "negation is not enforced",
+    "if": "conditionals are not enforced",
+    "then": "conditionals are not enforced",
+    "else": "conditionals are not enforced",
+    "dependentRequired": "dependencies are not enforced",
+    "dependentSchemas": "dependencies are not enforced",
+    "dependencies": "dependencies are not enforced",
+    "patternProperties": "declare the properties",
+    "propertyNames": "key constraints are not enforced",
+    "minProperties": "only maxProperties is enforced",
+    "contains": "contains is not enforced",
+    "minContains": "contains is not enforced",
+    "maxContains": "contains is not enforced",
+    "unevaluatedProperties": "use additionalProperties",
+    "unevaluatedItems": "use items",
+    "additionalItems": "use items",
+    "$dynamicRef": "only local $ref is supported",
+    "$recursiveRef": "only local $ref is supported",
+    "$anchor": "only JSON-pointer $ref is supported",
+    "$dynamicAnchor": "only JSON-pointer $ref is supported",
+    "$recursiveAnchor": "only local $ref is supported",
+    "$vocabulary": "vocabularies are not supported",
+    "contentEncoding": "content keywords are not enforced",
+    "contentMediaType": "content keywords are not enforced",
+    "contentSchema": "content keywords are not enforced",
 }
 
 
@@ -94,18 +100,7 @@ def _types(node: dict, path: tuple) -> list[str] | None:
     return items
 
 
-def _count(node: dict, key: str, path: tuple) -> int | None:
-    v = node.get(key)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > INT32:
-        raise invalid(f"'{key}' must be a non-negative integer that fits 32 bits", path + (key,))
-    return v
-
-
-class _Walker:
+class _Walker(KeywordChecks):
     def __init__(self, root: Any, strict: bool):
         self.root, self.strict = root, strict
         self.has_any_of = False
@@ -117,7 +112,9 @@ class _Walker:
         if ref == "#":
             return self.root
         if not ref.startswith("#/"):
-            raise unsupported("$ref", path, f"only local references (# or #/path) are supported, got {ref[:80]!r}")
+            raise unsupported(
+                "$ref", path, f"only local references (# or #/path) are supported, got {ref[:80]!r}"
+            )
         segments = ref[2:].split("/")
         if any(not seg or "~" in seg or "%" in seg for seg in segments):
             raise unsupported("$ref", path, "escaped or empty path segments are not supported")
@@ -157,18 +154,27 @@ class _Walker:
                 if not isinstance(node[defs], dict):
                     raise invalid(f"'{defs}' must be an object", path + (defs,))
                 out[defs] = {k: self.schema(v, path + (defs, k), depth + 1) for k, v in node[defs].items()}
-        rest = {k: v for k, v in node.items() if k not in ANNOTATIONS and k not in ("$defs", "definitions", "$id")}
+        rest = {
+            k: v for k, v in node.items() if k not in ANNOTATIONS and k not in ("$defs", "definitions", "$id")
+        }
         if "$id" in node:
             if not isinstance(node["$id"], str):
                 raise invalid("'$id' must be a string", path + ("$id",))
             if _has_ref(node):
-                raise unsupported("$id", path + ("$id",), "a $id whose subtree holds references (scoped "
-                                  "resolution through resource identifiers is not supported)")
+                raise unsupported(
+                    "$id",
+                    path + ("$id",),
+                    "a $id whose subtree holds references (scoped "
+                    "resolution through resource identifiers is not supported)",
+                )
         if "$ref" in rest:
             for key in rest:
                 if key != "$ref":
-                    raise unsupported(key, path + (key,), "$ref cannot have sibling constraints; move them into "
-                                      "the referenced schema")
+                    raise unsupported(
+                        key,
+                        path + (key,),
+                        "$ref cannot have sibling constraints; move them into the referenced schema",
+                    )
             self.resolve(rest["$ref"], path + ("$ref",))
             out["$ref"] = rest["$ref"]
             return out
@@ -190,25 +196,35 @@ class _Walker:
     def _annotations(self, node: dict, path: tuple) -> None:
         uri = node.get("$schema")
         if uri is not None:
-            if not isinstance(uri, str) or uri.rstrip("#").replace("http://json-schema.org/draft/2020-12",
-                                                                   "https://json-schema.org/draft/2020-12") \
-                    not in SCHEMA_URIS:
-                raise unsupported("$schema", path + ("$schema",), "only JSON Schema 2020-12 and draft-07 are "
-                                  "supported")
+            if (
+                not isinstance(uri, str)
+                or uri.rstrip("#").replace(
+                    "http://json-schema.org/draft/2020-12", "https://json-schema.org/draft/2020-12"
+                )
+                not in SCHEMA_URIS
+            ):
+                raise unsupported(
+                    "$schema", path + ("$schema",), "only JSON Schema 2020-12 and draft-07 are supported"
+                )
 
     def _implied_type(self, node: dict, path: tuple) -> list[str] | None:
-        families = [name for name, kws in (("object", OBJECT_KW), ("array", ARRAY_KW), ("string", STRING_KW))
-                    if any(k in node for k in kws)]
+        families = [
+            name
+            for name, kws in (("object", OBJECT_KW), ("array", ARRAY_KW), ("string", STRING_KW))
+            if any(k in node for k in kws)
+        ]
         for key in ("pattern", "format"):
             if key in node:
                 raise unsupported(key, path + (key,), f"{key} needs an explicit string type")
         numeric = [k for k in NUMBER_KW if k in node]
         if numeric:
-            raise unsupported(numeric[0], path + (numeric[0],), "numeric bounds need an explicit integer or "
-                              "number type")
+            raise unsupported(
+                numeric[0], path + (numeric[0],), "numeric bounds need an explicit integer or number type"
+            )
         if len(families) > 1:
-            raise unsupported("type", path, f"keywords of several types ({', '.join(families)}) without an "
-                              "explicit type")
+            raise unsupported(
+                "type", path, f"keywords of several types ({', '.join(families)}) without an explicit type"
+            )
         return families or None
 
     def _literal(self, node: dict, out: dict, path: tuple) -> dict:
@@ -219,8 +235,11 @@ class _Walker:
                 raise invalid("'enum' must be a non-empty list", path + ("enum",))
             if "const" in node:
                 if not any(json_equal(node["const"], v) for v in values):
-                    raise unsupported("const", path + ("const",), "the constant is not a member of the enum, so "
-                                      "no value satisfies both")
+                    raise unsupported(
+                        "const",
+                        path + ("const",),
+                        "the constant is not a member of the enum, so no value satisfies both",
+                    )
                 values = [node["const"]]
         else:
             values = [node["const"]]
@@ -232,8 +251,9 @@ class _Walker:
             for v in values:
                 t = json_type(v)
                 if t not in types and not (t == "integer" and "number" in types):
-                    raise unsupported("type", path + ("type",), f"the value {str(v)[:40]} is not of the "
-                                      "declared type")
+                    raise unsupported(
+                        "type", path + ("type",), f"the value {str(v)[:40]} is not of the declared type"
+                    )
         if len(values) == 1:
             out["const"] = values[0]
         else:
@@ -247,16 +267,24 @@ class _Walker:
             raise invalid("'anyOf' must be a non-empty list", path + ("anyOf",))
         for key in node:
             if key not in ("anyOf", "type", "required"):
-                raise unsupported(key, path + (key,), "only type and required can stand beside anyOf (they are "
-                                  "distributed into every branch); move it into each branch")
+                raise unsupported(
+                    key,
+                    path + (key,),
+                    "only type and required can stand beside anyOf (they are "
+                    "distributed into every branch); move it into each branch",
+                )
         outer_types = _types(node, path)
         outer_required = self._required(node, path)
         kept = []
         for i, b in enumerate(branches):
             bp = path + ("anyOf", i)
             if (outer_types or outer_required) and isinstance(b, dict) and "$ref" in b:
-                raise unsupported("$ref", bp + ("$ref",), "a referenced anyOf branch cannot take the type or "
-                                  "required beside anyOf; move them into the referenced schema")
+                raise unsupported(
+                    "$ref",
+                    bp + ("$ref",),
+                    "a referenced anyOf branch cannot take the type or "
+                    "required beside anyOf; move them into the referenced schema",
+                )
             branch = self.schema(b, bp, depth + 1)
             merged = self._intersect(branch, outer_types, outer_required)
             if merged is not None:
@@ -273,8 +301,11 @@ class _Walker:
         if types is not None:
             if "const" in branch or "enum" in branch:
                 values = [branch["const"]] if "const" in branch else branch["enum"]
-                values = [v for v in values if json_type(v) in types
-                          or (json_type(v) == "integer" and "number" in types)]
+                values = [
+                    v
+                    for v in values
+                    if json_type(v) in types or (json_type(v) == "integer" and "number" in types)
+                ]
                 if not values:
                     return None
                 branch.pop("enum", None)
@@ -315,165 +346,12 @@ class _Walker:
             raise invalid("'required' names a property twice", path + ("required",))
         return req
 
-    def _strings(self, node: dict, out: dict, types: list[str] | None, path: tuple) -> None:
-        lo, hi = _count(node, "minLength", path), _count(node, "maxLength", path)
-        if lo is not None and hi is not None and lo > hi:
-            raise unsupported("minLength", path + ("minLength",), "minLength above maxLength admits no string")
-        fmt, pattern = node.get("format"), node.get("pattern")
-        for key in ("pattern", "format"):
-            if key in node and types != ["string"]:
-                raise unsupported(key, path + (key,), f"{key} needs an explicit string type")
-        if fmt is not None and pattern is not None:
-            raise unsupported("format", path + ("format",), "pattern and format cannot be combined")
-        if (fmt is not None or pattern is not None) and (lo is not None or hi is not None):
-            key = "format" if fmt is not None else "pattern"
-            raise unsupported(key, path + (key,), f"{key} cannot be combined with length bounds")
-        if fmt is not None:
-            if fmt not in FORMAT_PATTERNS:
-                raise unsupported("format", path + ("format",), f"only date, date-time and time are asserted, "
-                                  f"got {str(fmt)[:40]!r}")
-            out["pattern"] = FORMAT_PATTERNS[fmt]
-            out["format"] = fmt  # kept for the semantic plan; the grammar copy drops it
-        if pattern is not None:
-            if not isinstance(pattern, str):
-                raise invalid("'pattern' must be a string", path + ("pattern",))
-            out["pattern"] = rewrite_pattern(pattern, path + ("pattern",))
-        if lo is not None:
-            out["minLength"] = lo
-        if hi is not None:
-            out["maxLength"] = hi
-
-    def _numbers(self, node: dict, out: dict, types: list[str] | None, path: tuple) -> None:
-        present = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in node]
-        if not present:
-            return
-        if types not in (["integer"], ["number"]):
-            raise unsupported(present[0], path + (present[0],), "numeric bounds need an explicit integer or "
-                              "number type")
-        integer = types == ["integer"]
-        vals = {}
-        for k in present:
-            v = node[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > MAX_SAFE:
-                raise invalid(f"'{k}' must be a finite number within +/-(2^53-1)", path + (k,))
-            if integer:
-                if not float(v).is_integer():
-                    raise unsupported(k, path + (k,), "integer bounds must be whole numbers")
-                v = int(v)
-            vals[k] = v
-            out[k] = v
-        if integer:
-            lo = max([vals.get("minimum", -MAX_SAFE - 1)] + ([vals["exclusiveMinimum"] + 1]
-                                                             if "exclusiveMinimum" in vals else []))
-            hi = min([vals.get("maximum", MAX_SAFE + 1)] + ([vals["exclusiveMaximum"] - 1]
-                                                            if "exclusiveMaximum" in vals else []))
-            empty = lo > hi
-        else:
-            step = Decimal(1).scaleb(-FRACTION_DIGITS)
-            los = [(Decimal(repr(vals["minimum"])), False)] if "minimum" in vals else []
-            los += [(Decimal(repr(vals["exclusiveMinimum"])), True)] if "exclusiveMinimum" in vals else []
-            his = [(Decimal(repr(vals["maximum"])), False)] if "maximum" in vals else []
-            his += [(Decimal(repr(vals["exclusiveMaximum"])), True)] if "exclusiveMaximum" in vals else []
-            lo = max((_first_above(v, ex, step) for v, ex in los), default=None)
-            hi = min((_last_below(v, ex, step) for v, ex in his), default=None)
-            empty = lo is not None and hi is not None and lo > hi
-        if empty:
-            raise unsupported(present[0], path + (present[0],), "the bounds admit no representable number")
-
-    def _arrays(self, node: dict, out: dict, types: list[str] | None, path: tuple, depth: int) -> None:
-        items = node.get("items")
-        prefix = node.get("prefixItems")
-        if isinstance(items, list):  # draft-07 tuple form
-            if prefix is not None:
-                raise invalid("'items' as a list cannot stand beside 'prefixItems'", path + ("items",))
-            prefix, items = items, None
-            if "additionalItems" in node:
-                raise unsupported("additionalItems", path + ("additionalItems",))
-        if prefix is not None:
-            if not isinstance(prefix, list):
-                raise invalid("'prefixItems' must be a list of schemas", path + ("prefixItems",))
-            out["prefixItems"] = [self.schema(s, path + ("prefixItems", i), depth + 1) for i, s in enumerate(prefix)]
-        if items is not None:
-            out["items"] = self.schema(items, path + ("items",), depth + 1, bool_false_ok=True)
-        lo, hi = _count(node, "minItems", path), _count(node, "maxItems", path)
-        if lo is not None and hi is not None and lo > hi:
-            raise unsupported("minItems", path + ("minItems",), "minItems above maxItems admits no array")
-        if lo is not None:
-            out["minItems"] = lo
-        if hi is not None:
-            out["maxItems"] = hi
-        unique = node.get("uniqueItems")
-        if unique is not None and not isinstance(unique, bool):
-            raise invalid("'uniqueItems' must be a boolean", path + ("uniqueItems",))
-        if unique and not (hi is not None and hi <= 1):
-            self._unique_domain(out, path)
-            out["uniqueItems"] = True
-
-    def _unique_domain(self, node: dict, path: tuple) -> None:
-        """uniqueItems is enforced for unrestricted string items and finite string enums/consts."""
-        where = path + ("uniqueItems",)
-        if "prefixItems" in node:
-            raise unsupported("uniqueItems", where, "unique tuples (prefixItems) are not enforced")
-        item = node.get("items", {})
-        seen = 0
-        while isinstance(item, dict) and "$ref" in item and seen < 32:
-            item = self.schema(self.resolve(item["$ref"], path), path + ("items",), MAX_DEPTH - 1)
-            seen += 1
-        if isinstance(item, dict):
-            if "const" in item or "enum" in item:
-                values = [item["const"]] if "const" in item else item["enum"]
-                if all(isinstance(v, str) for v in values):
-                    return
-            elif item.get("type") == "string" and not (STRING_KW & item.keys()):
-                return
-        raise unsupported("uniqueItems", where, "uniqueness is enforced only for arrays of unrestricted strings "
-                          "or of a finite set of strings (enum/const), or arrays of at most one item")
-
-    def _objects(self, node: dict, out: dict, types: list[str] | None, path: tuple, depth: int) -> None:
-        props = node.get("properties")
-        if props is not None:
-            if not isinstance(props, dict):
-                raise invalid("'properties' must be an object", path + ("properties",))
-            out["properties"] = {k: self.schema(v, path + ("properties", k), depth + 1) for k, v in props.items()}
-        if "additionalProperties" in node:
-            out["additionalProperties"] = self.schema(node["additionalProperties"], path + ("additionalProperties",),
-                                                      depth + 1, bool_false_ok=True)
-        n = _count(node, "maxProperties", path)
-        if n is not None:
-            out["maxProperties"] = n
-        required = self._required(node, path)
-        if required is None:
-            return
-        declared = dict(out.get("properties", {}))
-        extra = out.get("additionalProperties", False if self.strict else {})
-        for name in required:
-            if name in declared:
-                continue
-            if extra is False:
-                raise unsupported("required", path + ("required",), f"the required property {name[:40]!r} is "
-                                  "neither declared nor allowed by additionalProperties")
-            declared[name] = extra  # an open object's required extra names take the additional value schema
-        out["properties"] = declared
-        out["required"] = list(required)
-        if n is not None and len(required) > n:
-            raise unsupported("maxProperties", path + ("maxProperties",), "more required properties than "
-                              "maxProperties allows")
-
-
-def _first_above(v: Decimal, exclusive: bool, step: Decimal) -> Decimal:
-    q = (v / step).to_integral_value(rounding="ROUND_CEILING") * step
-    return q + step if exclusive and q == v else q
-
-
-def _last_below(v: Decimal, exclusive: bool, step: Decimal) -> Decimal:
-    q = (v / step).to_integral_value(rounding="ROUND_FLOOR") * step
-    return q - step if exclusive and q == v else q
-
 
 def _has_ref(node: Any) -> bool:
     if isinstance(node, dict):
-        return "$ref" in node or any(_has_ref(v) for k, v in node.items() if k not in ("enum", "const", "default",
-                                                                                     "examples"))
+        return "$ref" in node or any(
+            _has_ref(v) for k, v in node.items() if k not in ("enum", "const", "default", "examples")
+        )
     if isinstance(node, list):
         return any(_has_ref(v) for v in node)
     return False

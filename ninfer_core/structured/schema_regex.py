@@ -22,8 +22,17 @@ from ninfer_core.structured.errors import SchemaError
 _SPECIAL = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
 _META = set("\\.^$*+?()[]{}|/-")
 # ECMA-262 WhiteSpace and LineTerminator without the control characters (those need escapes).
-_WS = [(0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F),
-       (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
+_WS = [
+    (0x20, 0x20),
+    (0xA0, 0xA0),
+    (0x1680, 0x1680),
+    (0x2000, 0x200A),
+    (0x2028, 0x2029),
+    (0x202F, 0x202F),
+    (0x205F, 0x205F),
+    (0x3000, 0x3000),
+    (0xFEFF, 0xFEFF),
+]
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
 # ECMA '.' is every character but the line terminators; the controls are excluded as above.
@@ -33,10 +42,11 @@ MAX_REPEAT = 10_000
 
 _YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9])"
 _LEAP = "([0-9][0-9](0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
-_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
-         f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
-_TIME = ("([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9}){0,1}"
-         "(Z|[+\\-]([01][0-9]|2[0-3]):[0-5][0-9])")
+_DATE = (
+    f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)"
+)
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9}){0,1}(Z|[+\\-]([01][0-9]|2[0-3]):[0-5][0-9])"
 # Gregorian month lengths and leap years, years 0001-9999, RFC 3339 offsets; no leap second.
 FORMAT_PATTERNS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}"}
 
@@ -92,8 +102,11 @@ def _set_atom(ranges: list[tuple[int, int]], negated: bool, path: tuple) -> str:
         return _class_text(ranges + _SPECIAL, True)
     kept = _minus(ranges, _SPECIAL)
     if not kept:
-        raise _bad("a character class that only matches quotes, backslashes or control characters (they "
-                   "need JSON escapes, which patterns cannot produce)", path)
+        raise _bad(
+            "a character class that only matches quotes, backslashes or control characters (they "
+            "need JSON escapes, which patterns cannot produce)",
+            path,
+        )
     return _class_text(kept, False)
 
 
@@ -106,7 +119,7 @@ class _Parser:
         return self.p[j] if j < len(self.p) else ""
 
     def hex(self, n: int) -> int:
-        digits = self.p[self.i: self.i + n]
+        digits = self.p[self.i : self.i + n]
         if len(digits) != n or any(c not in "0123456789abcdefABCDEF" for c in digits):
             raise _bad(f"a malformed \\{'x' if n == 2 else 'u'} escape", self.path)
         self.i += n
@@ -118,7 +131,7 @@ class _Parser:
             raise _bad("\\u{...} escapes need the u flag", self.path)
         cp = self.hex(4)
         if 0xD800 <= cp <= 0xDBFF:
-            if self.p[self.i: self.i + 2] == "\\u":
+            if self.p[self.i : self.i + 2] == "\\u":
                 save = self.i
                 self.i += 2
                 low = self.hex(4)
@@ -163,8 +176,11 @@ class _Parser:
 
     def char_atom(self, cp: int) -> str:
         if cp < 0x20 or cp in (0x22, 0x5C):
-            raise _bad("a quote, backslash or control character (it needs a JSON escape, which patterns "
-                       "cannot produce)", self.path)
+            raise _bad(
+                "a quote, backslash or control character (it needs a JSON escape, which patterns "
+                "cannot produce)",
+                self.path,
+            )
         if 0xD800 <= cp <= 0xDFFF:
             raise _bad("a lone surrogate", self.path)
         return _lit(cp)
@@ -225,12 +241,16 @@ class _Parser:
         j = self.p.find("}", self.i)
         if j < 0:
             return None
-        body = self.p[self.i + 1: j]
+        body = self.p[self.i + 1 : j]
         if body.replace(",", "").replace(" ", "").isdigit() and " " in body:
             raise _bad("spaced repetition counts", self.path)
         parts = body.split(",")
-        if not body or len(parts) > 2 or not parts[0].isdigit() or (len(parts) == 2 and parts[1]
-                                                                     and not parts[1].isdigit()):
+        if (
+            not body
+            or len(parts) > 2
+            or not parts[0].isdigit()
+            or (len(parts) == 2 and parts[1] and not parts[1].isdigit())
+        ):
             return None
         lo = int(parts[0])
         hi = int(parts[1]) if len(parts) == 2 and parts[1] else None
@@ -329,7 +349,7 @@ def rewrite_pattern(pattern: str, path: tuple) -> str:
     """The xgrammar regex (full match over the raw spelling) for a schema pattern (search semantics)."""
     start = pattern.startswith("^")
     end = pattern.endswith("$") and not _escaped_at(pattern, len(pattern) - 1)
-    core = pattern[1 if start else 0: len(pattern) - 1 if end else len(pattern)]
+    core = pattern[1 if start else 0 : len(pattern) - 1 if end else len(pattern)]
     if start and end and len(pattern) == 1:
         core = ""
     body, top_alt = _Parser(core, path).body()

@@ -29,8 +29,13 @@ _DELIMITERS = ["</parameter>", "<parameter=", "</function>", "<function=", "<too
 
 
 def _param(name: str) -> st.OptionalFormat:
-    return st.OptionalFormat(content=st.TagFormat(
-        begin=f"<parameter={name}>\n", content=st.AnyTextFormat(excludes=_DELIMITERS), end="\n</parameter>\n"))
+    return st.OptionalFormat(
+        content=st.TagFormat(
+            begin=f"<parameter={name}>\n",
+            content=st.AnyTextFormat(excludes=_DELIMITERS),
+            end="\n</parameter>\n",
+        )
+    )
 
 
 def auto_calls(tools: list[dict], parallel: bool) -> st.StructuralTag:
@@ -39,10 +44,18 @@ def auto_calls(tools: list[dict], parallel: bool) -> st.StructuralTag:
         fn = t.get("function", t)
         params = (fn.get("parameters") or {}).get("properties") or {}
         body = [_param(p) for p in params] or [st.ConstStringFormat(value="")]
-        tags.append(st.TagFormat(begin=CALL_OPEN.format(name=fn["name"]), content=st.SequenceFormat(elements=body),
-                                 end=CALL_CLOSE))
-    return st.StructuralTag(format=st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
-                                                               stop_after_first=not parallel))
+        tags.append(
+            st.TagFormat(
+                begin=CALL_OPEN.format(name=fn["name"]),
+                content=st.SequenceFormat(elements=body),
+                end=CALL_CLOSE,
+            )
+        )
+    return st.StructuralTag(
+        format=st.TagsWithSeparatorFormat(
+            tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel
+        )
+    )
 
 
 def forced_call_rest(parameters: dict) -> st.StructuralTag:
@@ -52,12 +65,20 @@ def forced_call_rest(parameters: dict) -> st.StructuralTag:
     body: list = []
     for name, schema in (parameters.get("properties") or {}).items():
         if not _NAME_OK.match(name):
-            raise SchemaError("invalid_json_schema", f"the parameter name {name[:40]!r} cannot be written in a "
-                              "Qwen tool call", ("properties", name))
-        tag = st.TagFormat(begin=f"<parameter={name}>\n", content=_value(schema, defs, parameters, ("properties", name)),
-                           end="\n</parameter>\n")
+            raise SchemaError(
+                "invalid_json_schema",
+                f"the parameter name {name[:40]!r} cannot be written in a Qwen tool call",
+                ("properties", name),
+            )
+        tag = st.TagFormat(
+            begin=f"<parameter={name}>\n",
+            content=_value(schema, defs, parameters, ("properties", name)),
+            end="\n</parameter>\n",
+        )
         body.append(tag if name in required else st.OptionalFormat(content=tag))
-    return st.StructuralTag(format=st.SequenceFormat(elements=body + [st.ConstStringFormat(value=CALL_CLOSE)]))
+    return st.StructuralTag(
+        format=st.SequenceFormat(elements=body + [st.ConstStringFormat(value=CALL_CLOSE)])
+    )
 
 
 def _resolve(schema, root):
@@ -76,12 +97,20 @@ def _value(schema, defs: dict, root: dict, path: tuple):
     admits strings (or is absent), JSON for any other declared type."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind is not None and not (kind == "string" or (isinstance(kind, list) and "string" in kind)):
-        return st.JSONSchemaFormat(json_schema={**defs, **schema} if defs else schema, style="json",
-                                   max_whitespace_cnt=8, excludes=["</parameter>", "</function>"])
+        return st.JSONSchemaFormat(
+            json_schema={**defs, **schema} if defs else schema,
+            style="json",
+            max_whitespace_cnt=8,
+            excludes=["</parameter>", "</function>"],
+        )
     text = _string_branch(schema, root)
     if text is None:
-        raise SchemaError("json_schema_keyword_not_supported", "a forced call's parameter without an explicit "
-                          "non-string type must admit a string (the call's text is read back as one)", path)
+        raise SchemaError(
+            "json_schema_keyword_not_supported",
+            "a forced call's parameter without an explicit "
+            "non-string type must admit a string (the call's text is read back as one)",
+            path,
+        )
     return text
 
 
@@ -109,5 +138,6 @@ def _string_branch(schema, root):
     if "pattern" in schema:
         return st.RegexFormat(pattern=schema["pattern"])
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-    return st.RegexFormat(pattern=_TEXT + ("{%d,%s}" % (lo, "" if hi is None else hi) if (lo or hi is not None)
-                                           else "*"))
+    return st.RegexFormat(
+        pattern=_TEXT + ("{%d,%s}" % (lo, "" if hi is None else hi) if (lo or hi is not None) else "*")
+    )

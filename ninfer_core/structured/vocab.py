@@ -51,7 +51,7 @@ def _surrogate_bad(data: bytes, in_string: bool) -> bool:
                 return False  # the escape continues in the next token
             e = data[i + 1]
             if e == ord("u"):
-                hexd = data[i + 2: i + 6]
+                hexd = data[i + 2 : i + 6]
                 if len(hexd) < 4:
                     return False
                 try:
@@ -93,7 +93,9 @@ class VocabTables:
             else:
                 self.token_bytes.append(tokenizer.token_bytes(i))
         self.eos_ids = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", ()) or ())))
-        self.markers = {m: tokenizer.token_to_id(m) for m in ("<think>", "</think>", "<tool_call>", "</tool_call>")}
+        self.markers = {
+            m: tokenizer.token_to_id(m) for m in ("<think>", "</think>", "<tool_call>", "</tool_call>")
+        }
         self._lock = threading.Lock()
         self._tables = None
 

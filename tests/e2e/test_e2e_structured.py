@@ -36,7 +36,9 @@ ASK = "Give the answer as JSON."
 
 
 def _launch(request, tmp_path_factory, artifact):
-    conftest = request.config.pluginmanager.get_plugin(str(Path(__file__).resolve().parents[1] / "conftest.py"))
+    conftest = request.config.pluginmanager.get_plugin(
+        str(Path(__file__).resolve().parents[1] / "conftest.py")
+    )
     tmp = tmp_path_factory.mktemp("structured")
     return conftest.launch_server(artifact, *FLAGS, log_dir=tmp, env={"NINFER_CACHE_DIR": str(tmp / "cache")})
 
@@ -63,7 +65,9 @@ def _model(server) -> str:
 def _chat(server, model, schema, strict, stream, max_tokens):
     c = openai.OpenAI(base_url=server.api_base, api_key="x", max_retries=0, timeout=300)
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": strict, "schema": schema}}
-    args = dict(model=model, messages=[{"role": "user", "content": ASK}], response_format=fmt, max_tokens=max_tokens)
+    args = dict(
+        model=model, messages=[{"role": "user", "content": ASK}], response_format=fmt, max_tokens=max_tokens
+    )
     if not stream:
         r = c.chat.completions.create(**args)
         return r.choices[0].message.content, r.choices[0].finish_reason == "stop"
@@ -94,8 +98,12 @@ def _responses(server, model, schema, strict, stream, max_tokens):
 
 def _messages(server, model, schema, strict, stream, max_tokens):
     c = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
-    args = dict(model=model, max_tokens=max_tokens, messages=[{"role": "user", "content": ASK}],
-                extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    args = dict(
+        model=model,
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": ASK}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )
     if not stream:
         m = c.messages.create(**args)
         return "".join(b.text for b in m.content if b.type == "text"), m.stop_reason == "end_turn"
@@ -134,8 +142,13 @@ def _completions(server, model, schema, strict, stream, max_tokens):
     return text, finish == "stop"
 
 
-CALLS = {"chat": _chat, "responses": _responses, "messages": _messages, "completion": _completion,
-         "completions": _completions}
+CALLS = {
+    "chat": _chat,
+    "responses": _responses,
+    "messages": _messages,
+    "completion": _completion,
+    "completions": _completions,
+}
 
 
 def _plan() -> list[tuple[int, str, bool]]:
@@ -158,8 +171,9 @@ def _corpus(server, max_tokens: int) -> tuple[int, int, dict]:
         text, completed = CALLS[protocol](server, model, schema, k in STRICT, stream, max_tokens)
         if completed:
             try:
-                jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator,
-                                    format_checker=checker)
+                jsonschema.validate(
+                    json.loads(text), schema, cls=jsonschema.Draft202012Validator, format_checker=checker
+                )
             except Exception as e:  # noqa: BLE001 - report which run broke
                 return run, completed, f"{type(e).__name__}: {str(e)[:300]} in {text[:300]!r}"
         return run, completed, None
