@@ -175,6 +175,9 @@ class ServeOptions:
     aliases: list[str] = field(default_factory=list)  # further model names (--alias)
     tags: list[str] = field(default_factory=list)  # informational model tags (--tags)
     hosts: list[str] = field(default_factory=list)  # every --host address (comma-separated); host is the first
+    # Structured output (ninfer_core.structured; spec "Structured output")
+    structured_output: bool = False  # accept JSON / JSON Schema formats and grammars, enforced by xgrammar
+    unconstrained_response_format: bool = False  # without it: generate such requests unconstrained, not 400
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
@@ -250,6 +253,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_cache_arguments(p)
     add_thinking_arguments(p)
     add_spec_arguments(p)
+    add_llamacpp_arguments(p)
+    add_structured_arguments(p)
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
@@ -271,7 +276,6 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "X-NInfer-Draft-Session (default 0: off)")
     g.add_argument("--ngram-session-mib", type=_positive(1), default=128, metavar="N",
                    help="per-session share of that archive, 1 MiB up to the archive size (default 128)")
-    add_llamacpp_arguments(p)
 
 
 def _comma_list(s: str) -> list[str]:
@@ -306,6 +310,22 @@ def add_llamacpp_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for llama-server scripts: chat templates are always Jinja")
     g.add_argument("--tags", type=_comma_list, default=[], metavar="TAGS",
                    help="comma-separated informational model tags (reported by /v1/models)")
+
+
+# -- structured output (ninfer_core.structured) ---------------------------------------------------
+
+def add_structured_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--structured-output", action="store_true",
+                   help="accept JSON and JSON Schema response formats (and llama.cpp json_schema/grammar), "
+                        "enforced token by token with xgrammar; forced tool calls follow their parameter schema")
+    p.add_argument("--unconstrained-response-format", action="store_true",
+                   help="without --structured-output, generate a JSON or JSON Schema request unconstrained "
+                        "instead of refusing it")
+
+
+def structured_options_from_args(a: argparse.Namespace) -> dict:
+    return {"structured_output": bool(getattr(a, "structured_output", False)),
+            "unconstrained_response_format": bool(getattr(a, "unconstrained_response_format", False))}
 
 
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
@@ -356,5 +376,6 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         cors_origins=_origins(getattr(a, "cors_origins", None)), no_slots=getattr(a, "no_slots", False),
         accept_any_model=getattr(a, "accept_any_model", False), aliases=list(getattr(a, "alias", []) or []),
         tags=list(getattr(a, "tags", []) or []),
+        **structured_options_from_args(a),
     )
 

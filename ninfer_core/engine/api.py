@@ -82,6 +82,9 @@ class GenerationRequest:
     # N-gram drafting: the X-NInfer-Draft-Session this request belongs to (its earlier requests'
     # text become copy sources with --ngram-archive-mib); None: request-local drafting only.
     draft_session: str | None = None
+    # Structured output: a ninfer_core.structured.constraint.Constraint (the request's grammar, built
+    # by the server), or None. The engine masks the request's logits with it and advances it on commit.
+    constraint: Any = None
 
 
 @dataclass

@@ -39,6 +39,7 @@ from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.slots import SlotPool
 from ninfer_core.engine.thinking import ThinkingControl
+from ninfer_core.structured.masks import MaskStage
 
 log = logging.getLogger("ninfer.engine")
 
@@ -132,6 +133,8 @@ class Engine:
         self._flush_after_launch = bool(runner.launches_async)
         self._launches = 0  # forwards run so far (worker thread only)
         self.rounds = RoundDriver(self, spec, ngram)
+        # Structured output: constrained requests' masks on host threads (ninfer_core.structured.masks)
+        self._masks = MaskStage()
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -153,6 +156,7 @@ class Engine:
             thread.join(timeout)
         if thread is None:
             self._fail_all_on_shutdown()
+        self._masks.shutdown()
 
     def default_output_limit(self, prompt_tokens: int) -> int:
         return self.budget.default_output_limit(prompt_tokens)
@@ -184,6 +188,7 @@ class Engine:
                     f"the server is at capacity ({self.options.max_concurrency} running + "
                     f"{self.options.max_pending_requests} pending requests); retry later")
             self._outstanding += 1
+            self._masks.prefetch(request.constraint)  # the first mask, computed while the prompt prefills
             seq.order = next(self._order)
             self.scheduler.add(seq)
             self._cv.notify_all()
@@ -419,6 +424,9 @@ class Engine:
             self._flush()
             if last and seq.request.score_token_ids:
                 seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
+            masked = self._masks.apply(logits[-1] if logits.dim() == 2 else logits, [seq]) if last else {}
+            if masked:
+                raise masked[0]
             token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
             record = None
             if token is not None:
@@ -457,7 +465,11 @@ class Engine:
 
     def _take(self, seq: Sequence, token: int, record=None) -> tuple[str, tuple | None]:
         """Append a committed token to the output: (text it makes publishable, finish or None).
-        The finish (reason, stop reason, final text) is carried out by `_settle`."""
+        The finish (reason, stop reason, final text) -- or ("error", EngineError) when a constrained
+        request's grammar refuses the token -- is carried out by `_settle`."""
+        refused = self._masks.commit(seq, token)  # structured output: the grammar must admit it
+        if refused is not None:
+            return "", ("error", refused, None)
         now = time.monotonic()
         seq.t_first = seq.t_first if seq.output_ids else now
         seq.t_last = now
@@ -484,6 +496,9 @@ class Engine:
         """Publish what `_take` returned for a lane: a delta, or the finish."""
         if fin is not None:
             reason, stop_reason, tail = fin
+            if reason == "error":  # (stop_reason holds the EngineError)
+                self._fail(seq, stop_reason)
+                return
             self._finish(seq, reason, stop_reason, text + tail)
         elif text:
             ids, seq.unsent_ids = seq.unsent_ids, []

@@ -78,6 +78,7 @@ class RoundDriver:
             eng._launches += 1
             if eng._flush_after_launch:
                 eng._flush()  # the previous round's events, while the device computes this one
+            refused = self._masks(batch, outs)
             plans = [self._accept(s, o.logits, d, f) for s, o, d, f in zip(batch, outs, drafts, forced)]
         except Exception as exc:
             log.exception("decode failed for %d requests", len(batch))
@@ -85,7 +86,10 @@ class RoundDriver:
                 eng._fail(s, exc)
             return
         results = []
-        for s, d, (tokens, records, n_acc) in zip(batch, drafts, plans):
+        for i, (s, d, (tokens, records, n_acc)) in enumerate(zip(batch, drafts, plans)):
+            if i in refused and forced[i] is None:  # its grammar mask failed: only this request fails
+                results.append((1, "", ("error", refused[i], None)))
+                continue
             results.append(self._take_tokens(s, tokens, records))
         if verify:
             try:
@@ -119,6 +123,19 @@ class RoundDriver:
         if not eng._flush_after_launch:
             eng._flush()
 
+    def _masks(self, batch, outs) -> dict:
+        """Structured output: each constrained lane's logits row masked by its grammar in place (a
+        constrained lane never drafts, so it has one row); {row: EngineError} where a mask failed."""
+        refused = {}
+        for i, (s, o) in enumerate(zip(batch, outs)):
+            if getattr(s.request, "constraint", None) is None:
+                continue
+            row = o.logits if o.logits.dim() == 1 else o.logits[0]
+            got = self.engine._masks.apply(row, [s])
+            if got:
+                refused[i] = got[0]
+        return refused
+
     # -- drafts --------------------------------------------------------------------------------------
     def _allowed(self, s: "Sequence") -> int:
         """Drafts the lane may verify now: the round commits drafts + 1 tokens at most, inside the
@@ -128,7 +145,10 @@ class RoundDriver:
     def _gather_drafts(self, batch, forced, drafts, sources) -> None:
         lanes, idx = [], []
         for i, s in enumerate(batch):
-            allowed = 0 if forced[i] is not None or s.thinking.pending else self._allowed(s)
+            # a forced thinking close, or a constrained request (its masks are one per committed token
+            # for now: structured output drafts nothing), decodes without drafts
+            constrained = getattr(s.request, "constraint", None) is not None
+            allowed = 0 if forced[i] is not None or s.thinking.pending or constrained else self._allowed(s)
             if allowed <= 0:
                 continue
             if self.ngram.enabled:

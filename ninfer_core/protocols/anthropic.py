@@ -46,6 +46,7 @@ from ninfer_core.server.sse import (
     unless_disconnected,
     with_keepalive,
 )
+from ninfer_core.structured.request import compile_request, make_constraint
 
 PING = 'event: ping\ndata: {"type":"ping"}\n\n'
 log = logging.getLogger("ninfer.server")
@@ -76,6 +77,16 @@ def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
     if plan.forced_tool:
         ids += forced_call_ids(tok, plan.forced_tool)
     return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids))
+
+
+def _compile(ctx: ServerContext, plan: MessagesPlan):
+    """The compiled output_config.format, or a forced call's input schema (ninfer_core.structured)."""
+    param = None
+    if plan.forced_tool is not None:
+        idx = next((i for i, t in enumerate(plan.tools or []) if t["function"]["name"] == plan.forced_tool), 0)
+        param = f"tools.{idx}.input_schema"
+    return compile_request(ctx, plan.response_format, tools=plan.tools, parallel=plan.parallel_tool_calls,
+                           forced_tool=plan.forced_tool, tool_param=param)
 
 
 def cache_hints(ctx: ServerContext, plan: MessagesPlan, ids: list[int]) -> Any:
@@ -242,6 +253,7 @@ class AnthropicMessages:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
         request_id = request.scope.get("state", {}).get("request_id", "")
         plan = await self._plan(request, ctx, count_only=False)
+        compiled = await anyio.to_thread.run_sync(_compile, ctx, plan)  # structured output: 400s here
         release = ctx.ingress.acquire()
 
         try:
@@ -250,6 +262,7 @@ class AnthropicMessages:
             gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens,
                                     stop=plan.stop, request_id=request_id, deadline=deadline,
                                     checkpoint_hints=prompt.hints,
+                                    constraint=make_constraint(ctx, compiled, prompt.opens_reasoning),
                                     **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
                                                       sampling))
             handle = ctx.engine.submit(gen)

@@ -26,6 +26,12 @@ from ninfer_core.protocols.anthropic_history import (
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import collapse_effort
+from ninfer_core.structured.formats import (
+    ResponseFormat,
+    anthropic_output_format,
+    refuse_conflicts,
+    with_instruction,
+)
 
 MIN_THINKING_BUDGET = 1024
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
@@ -55,6 +61,7 @@ class MessagesPlan:
     stream: bool = False
     sampling_request: dict[str, Any] = field(default_factory=dict)
     post_thinking: dict[str, Any] | None = None
+    response_format: Any = None  # ninfer_core.structured ResponseFormat to enforce (--structured-output)
 
 
 # -- the request ----------------------------------------------------------------------------------
@@ -78,9 +85,18 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     _graft(data)
 
     thinking, explicit, budget, omitted = _thinking(data, ctx, count_only)
+    fmt = None if count_only else _output_format(data, ctx)
+    if fmt is not None and not explicit and not (isinstance(data.get("output_config"), dict)
+                                                 and data["output_config"].get("effort") is not None):
+        thinking = False  # spec: structured responses default to thinking disabled unless the request asks
     kwargs, thinking, explicit = _template_kwargs(data, ctx, thinking, explicit)
     tools, forced, parallel, thinking = _tools(data, thinking, explicit)
     messages, prefill = lower_conversation(data, thinking, explicit)
+    if fmt is not None and prefill:
+        raise bad_request("assistant_prefill_not_supported", "An assistant prefill cannot be continued under a "
+                          f"structured output format ({fmt.param}): the document must start with the answer.",
+                          "messages")
+    messages = with_instruction(messages, fmt, bool(tools))
     plan = MessagesPlan(model=model, messages=messages, tools=tools, thinking=thinking,
                         tools_cached=any(isinstance(t, dict) and t.get("cache_control")
                                          for t in data.get("tools") or []),
@@ -100,7 +116,8 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     plan.sampling_request = {"temperature": number_in(data, "temperature", 0.0, 1.0),
                              "top_p": number_in(data, "top_p", 0.0, 1.0, lo_open=True), "top_k": top_k}
     plan.post_thinking = _post_thinking(data.get("post_thinking"))
-    _output_format(data)
+    refuse_conflicts(fmt, stop=plan.stop, stop_param="stop_sequences")
+    plan.response_format = fmt
     return plan
 
 
@@ -241,19 +258,25 @@ def _template_kwargs(data: dict, ctx: ServerContext, thinking: bool,
     return kwargs, thinking, explicit
 
 
-def _output_format(data: dict) -> None:
-    """output_config.format (and the older top-level output_format) ask for enforced JSON."""
+def _output_format(data: dict, ctx: ServerContext) -> ResponseFormat | None:
+    """output_config.format (and the older top-level output_format) ask for enforced JSON: the format
+    to enforce with --structured-output (ninfer_core.structured), else output_format_not_supported."""
     oc = data.get("output_config")
+    found = None
     for param, fmt in (("output_config.format", oc.get("format") if isinstance(oc, dict) else None),
                        ("output_format", data.get("output_format"))):
         if fmt is None:
             continue
-        if not isinstance(fmt, dict):
-            raise wrong_type(param, "an object")
-        if fmt.get("type") != "json_schema":
-            raise bad_request("invalid_value", f"'{param}.type' must be json_schema.", f"{param}.type")
-        raise bad_request("output_format_not_supported", f"{param} needs a server started with "
-                          "--structured-output, which this build does not offer yet.", param)
+        parsed = anthropic_output_format(fmt, param)
+        if found is None:
+            found = parsed
+    if found is not None and not ctx.options.structured_output:
+        if ctx.options.unconstrained_response_format:
+            return None
+        raise bad_request("output_format_not_supported", f"{found.param} needs a server started with "
+                          "--structured-output, which enforces it token by token; this server was started "
+                          "without it.", found.param)
+    return found
 
 
 _POST_THINKING = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),

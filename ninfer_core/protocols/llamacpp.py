@@ -55,11 +55,11 @@ from ninfer_core.server.sse import (
 
 log = logging.getLogger("ninfer.server")
 
+
 class LlamaCompletionRequest(RawCompletionFields):
     n_predict: int | None = None  # first; then max_tokens. Any negative value: no limit
     n_cmpl: int | None = None  # completions per prompt (llama.cpp also reads OpenAI's n)
     n: int | None = None
-    json_schema: Any = None
     return_tokens: bool | None = None
     return_progress: bool | None = None
     response_fields: list[str] | None = None
@@ -101,10 +101,7 @@ def validate_body(raw: bytes, ctx: ServerContext) -> LlamaPlan:
     data = parse_json_body(raw)
     if not isinstance(data, dict):
         raise bad_request("invalid_type", "The request body must be a JSON object.", None)
-    req = LlamaCompletionRequest.model_validate(data)
-    if req.json_schema is not None:
-        raise bad_request("json_schema_not_supported", "json_schema needs a server started with "
-                          "--structured-output, which this build does not offer yet.", "json_schema")
+    req = LlamaCompletionRequest.model_validate(data)  # json_schema: raw_prompt.structured_format
     if req.n_predict is not None:
         limit, param = req.n_predict, "n_predict"
     else:

@@ -50,6 +50,7 @@ from ninfer_core.server.sse import (
     sse_data,
     unless_disconnected,
 )
+from ninfer_core.structured.request import compile_request, make_constraint
 
 log = logging.getLogger("ninfer.server")
 
@@ -109,6 +110,7 @@ class ChatCompletions:
         log.debug("chat request: reasoning_effort asked %s, tools %d, forced %s, logprobs %s, thinking_budget %s",
                   plan.effort_requested, len(plan.tools or ()), plan.forced_tool is not None, plan.logprobs,
                   plan.thinking_budget)
+        compiled = await anyio.to_thread.run_sync(_compile, ctx, plan)  # structured output: 400s here
         release = ctx.ingress.acquire()
 
         try:
@@ -128,6 +130,7 @@ class ChatCompletions:
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
                                     deadline=deadline, logprobs=plan.logprobs,
                                     checkpoint_hints=prompt_hints(ctx, prompt.ids, plan.template_kwargs),
+                                    constraint=make_constraint(ctx, compiled, prompt.opens_reasoning),
                                     **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
                                                       sampling))
             handle = ctx.engine.submit(gen)
@@ -339,6 +342,17 @@ class _Output:
         if parse is not None and parse.fallback != "none":
             log.warning("tool call parse: fallback %s (recovered=%s, malformed_call=%s, trailing_dropped=%s)",
                         parse.fallback, parse.recovered, parse.malformed, parse.trailing_dropped)
+
+
+def _compile(ctx: ServerContext, plan: ChatPlan):
+    """The request's compiled format: the response format, or a forced call's parameter schema."""
+    param = None
+    if plan.forced_tool is not None:
+        idx = next((i for i, t in enumerate(plan.tools or []) if t["function"]["name"] == plan.forced_tool), 0)
+        kind = "custom" if plan.forced_tool in plan.custom_tools else "function"
+        param = f"tools.{idx}.{kind}.parameters"
+    return compile_request(ctx, plan.response_format, tools=plan.tools, parallel=plan.parallel_tool_calls,
+                           forced_tool=plan.forced_tool, tool_param=param)
 
 
 PROTOCOL = ChatCompletions()

@@ -20,6 +20,13 @@ from ninfer_core.protocols.raw_prompt_input import vocab_limit
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.prepare import collapse_effort
+from ninfer_core.structured.formats import (
+    ResponseFormat,
+    admit,
+    chat_response_format,
+    refuse_conflicts,
+    with_instruction,
+)
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}\Z")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -52,6 +59,7 @@ class ChatPlan:
     post_thinking: dict[str, Any] | None = None
     effort_requested: str | None = None  # what the client named (logs)
     verbose: bool = False  # llama.cpp's __verbose: the /completion-shaped object beside the response
+    response_format: ResponseFormat | None = None  # a JSON format to enforce (--structured-output)
 
 
 def validate_body(raw: bytes, ctx: ServerContext) -> "ChatPlan":
@@ -83,7 +91,7 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
             raise bad_request("unsupported_parameter", f"'{name}' (a vLLM/llama.cpp constrained-decoding "
                               "extension) is not supported; request structured JSON through "
                               "response_format.", name)
-    check_response_format(req.response_format)
+    fmt = check_response_format(req.response_format, ctx.options)
     if req.functions:
         raise bad_request("functions_not_supported", "Legacy 'functions' are not supported; send 'tools'.",
                           "functions")
@@ -110,15 +118,17 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
         raise bad_request("audio_not_supported", "Only text output is supported.", "modalities")
 
     tools, forced, custom = _tools(req)
-    thinking, template_kwargs, effort = _thinking_options(req, ctx, forced is not None)
+    thinking, template_kwargs, effort = _thinking_options(req, ctx, forced is not None, fmt is not None)
     stream = bool(req.stream)
     limit = req.output_limit()
+    stop = _stop_list(req.stop)
+    refuse_conflicts(fmt, stop=stop, ignore_eos=bool(req.ignore_eos))
     return ChatPlan(
-        messages=normalize_messages(req.messages),
+        messages=with_instruction(normalize_messages(req.messages), fmt, tools is not None),
         tools=tools,
         thinking=thinking,
         template_kwargs=template_kwargs,
-        stop=_stop_list(req.stop),
+        stop=stop,
         max_tokens=None if limit is None or limit == -1 else limit,
         derived_limit=limit == -1,
         stream=stream,
@@ -136,23 +146,14 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
         post_thinking=req.post_thinking.model_dump() if req.post_thinking is not None else None,
         effort_requested=effort,
         verbose=req.verbose is True,
+        response_format=fmt,
     )
 
 
-def check_response_format(rf: Any) -> None:
-    if rf is None:
-        return
-    if not isinstance(rf, dict):
-        raise bad_request("invalid_type", "response_format must be an object.", "response_format")
-    kind = rf.get("type")
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise bad_request("response_format_not_supported", f"response_format '{kind}' needs a server "
-                          "started with --structured-output, which this build does not offer yet.",
-                          "response_format")
-    raise bad_request("invalid_value", "response_format.type must be text, json_object or json_schema.",
-                      "response_format.type")
+def check_response_format(rf: Any, options: Any = None) -> ResponseFormat | None:
+    """response_format -> the format to enforce: None for text, or when --unconstrained-response-format
+    drops it; 400 response_format_not_supported without --structured-output (ninfer_core.structured)."""
+    return admit(chat_response_format(rf), options)
 
 
 def _stop_list(stop: Any) -> list[str]:
@@ -172,8 +173,8 @@ def _stop_list(stop: Any) -> list[str]:
     return list(items)
 
 
-def _thinking_options(req: ChatCompletionRequest, ctx: ServerContext,
-                      forced: bool) -> tuple[bool, dict[str, Any], str | None]:
+def _thinking_options(req: ChatCompletionRequest, ctx: ServerContext, forced: bool,
+                      structured: bool = False) -> tuple[bool, dict[str, Any], str | None]:
     """(thinking, template kwargs, the effort the client named).
 
     Request options override the server defaults (--no-thinking, --preserve-thinking,
@@ -216,6 +217,8 @@ def _thinking_options(req: ChatCompletionRequest, ctx: ServerContext,
                               "allowed_tools in required mode) needs thinking disabled; drop enable_thinking.",
                               "tool_choice")
         enable = False
+    elif structured and enable is None and effort is None and req.thinking_budget is None:
+        enable = False  # spec: structured responses default to thinking disabled unless the request asks
     elif effort is None and enable is not False:
         default = ctx.options.thinking.default_reasoning_effort
         if default == "none":

@@ -54,6 +54,9 @@ class RawBatch:
         worth; an error here is the response's."""
         self.release = self.ctx.ingress.acquire()
         try:
+            from ninfer_core.structured.request import compile_request
+
+            self._compiled = await anyio.to_thread.run_sync(compile_request, self.ctx, self.plan.response_format)
             self._ids = await anyio.to_thread.run_sync(tokenize_prompts, self.ctx, self.plan.prompts)
             for i in range(min(len(self), self.ctx.options.engine.max_concurrency)):
                 await self._lanes.acquire()
@@ -73,7 +76,7 @@ class RawBatch:
         if self._cancelled:
             raise cancelled_error()
         sub = submit_prompt(self.request, self.ctx, self.plan, self._ids[i], i, self.logprobs, self._deadline,
-                            self.release)
+                            self.release, getattr(self, "_compiled", None))
         self.subs.append(sub)
         return sub
 

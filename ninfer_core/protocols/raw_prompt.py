@@ -22,6 +22,8 @@ from ninfer_core.protocols.raw_prompt_input import RawPrompt, parse_prompts, voc
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
+from ninfer_core.protocols.openai_chat_request import check_response_format
+from ninfer_core.structured.formats import admit, llamacpp_grammar, llamacpp_json_schema, refuse_conflicts
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 32
@@ -81,7 +83,8 @@ class RawCompletionFields(WireModel):
     verbose: bool | None = None  # /v1/completions: the llama.cpp object as __verbose
     n_indent: int | None = None
     t_max_predict_ms: int | None = None
-    grammar: Any = None
+    grammar: Any = None  # GBNF (needs --structured-output; raw_prompt.structured_format)
+    json_schema: Any = None  # llama.cpp's bare schema (needs --structured-output)
     lora: Any = None
     logit_bias: Any = None
     # accepted without effect
@@ -109,10 +112,30 @@ class RawPlan:
     logit_bias: dict[int, float] = field(default_factory=dict)
     n_probs: int = 0  # llama.cpp's n_probs (0: no probabilities)
     post_sampling_probs: bool = False
+    response_format: Any = None  # ninfer_core.structured ResponseFormat to enforce (--structured-output)
 
     @property
     def batch(self) -> bool:
         return len(self.prompts) > 1
+
+
+def structured_format(req: RawCompletionFields, ctx: ServerContext) -> Any:
+    """The constrained format of a raw request (ninfer_core.structured): response_format, llama.cpp's
+    json_schema (/completion) or grammar (GBNF); each needs --structured-output, at most one is sent."""
+    found = []
+    rf = check_response_format(req.response_format, ctx.options)
+    if rf is not None:
+        found.append(rf)
+    schema = llamacpp_json_schema(getattr(req, "json_schema", None))
+    grammar = llamacpp_grammar(req.grammar)
+    for fmt in (schema, grammar):
+        admitted = admit(fmt, ctx.options)
+        if admitted is not None:
+            found.append(admitted)
+    if len(found) > 1:
+        raise bad_request("invalid_value", f"{found[0].param} and {found[1].param} both constrain the output; "
+                          "send one of them.", found[1].param)
+    return found[0] if found else None
 
 
 def check_model(model: Any, ctx: ServerContext) -> None:
@@ -132,12 +155,6 @@ def check_neutral_controls(req: RawCompletionFields) -> None:
         if value is not None and not neutral(value):
             raise bad_request(f"{name}_not_supported", f"{name} is accepted only at its neutral value "
                               f"({meaning}): NInfer's sampler has no such control.", name)
-    if req.grammar is not None:
-        if not isinstance(req.grammar, str):
-            raise bad_request("invalid_type", "grammar must be a string.", "grammar")
-        if req.grammar.strip():
-            raise bad_request("grammar_not_supported", "GBNF grammars are not supported; request "
-                              "structured JSON through response_format.", "grammar")
     if req.lora is not None:
         if not isinstance(req.lora, list):
             raise bad_request("invalid_type", "lora must be a list.", "lora")
@@ -170,7 +187,7 @@ def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None
     completions per prompt (n_cmpl, n)."""
     check_model(req.model, ctx)
     check_neutral_controls(req)
-    check_response_format(req.response_format)
+    fmt = structured_format(req, ctx)
     if limit is not None and limit < 0 and not negative_is_unlimited and limit != -1:
         raise bad_request("invalid_value", f"{limit_param} must be -1 (no limit) or a non-negative integer.",
                           limit_param)
@@ -186,11 +203,14 @@ def check_fields(req: RawCompletionFields, ctx: ServerContext, limit: int | None
         "top_p": req.top_p, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
     }
+    stop = stop_list(req.stop)
+    refuse_conflicts(fmt, stop=stop, ignore_eos=bool(req.ignore_eos))
     return RawPlan(
         prompts=with_copies(parse_prompts(req.prompt, ctx), copies, copies_param),
+        response_format=fmt,
         max_tokens=None if limit is None or limit < 0 else limit,
         derived_limit=limit is not None and limit < 0,
-        stop=stop_list(req.stop),
+        stop=stop,
         stream=bool(req.stream),
         ignore_eos=bool(req.ignore_eos),
         timings_per_token=bool(req.timings_per_token),

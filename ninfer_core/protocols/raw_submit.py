@@ -17,6 +17,7 @@ from ninfer_core.engine.checkpoints import CheckpointHints
 from ninfer_core.protocols.raw_prompt import RawPlan, output_limit, raw_sampling
 from ninfer_core.protocols.raw_prompt_input import tokenize_prompts
 from ninfer_core.server.context import ServerContext
+from ninfer_core.structured.request import compile_request, make_constraint
 
 # Spec "Raw-prompt completion": below this a regenerated prompt is cheaper to prefill than the extra
 # capture pass its checkpoint costs.
@@ -44,16 +45,18 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: 
     deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
     release = ctx.ingress.acquire()
     try:
+        compiled = await anyio.to_thread.run_sync(compile_request, ctx, plan.response_format)  # structured output
         ids = (await anyio.to_thread.run_sync(tokenize_prompts, ctx, plan.prompts[:1]))[0]
-        return submit_prompt(request, ctx, plan, ids, 0, logprobs, deadline, release)
+        return submit_prompt(request, ctx, plan, ids, 0, logprobs, deadline, release, compiled)
     except BaseException:
         release()
         raise
 
 
 def submit_prompt(request: Any, ctx: ServerContext, plan: RawPlan, ids: list[int], index: int,
-                  logprobs: int | None, deadline: float, release: Any = None) -> RawSubmission:
-    """Submit prompt `index` of `plan` (its ids already checked); on the event loop."""
+                  logprobs: int | None, deadline: float, release: Any = None, compiled: Any = None) -> RawSubmission:
+    """Submit prompt `index` of `plan` (its ids already checked); on the event loop. `compiled`: the
+    request's structured-output format (each prompt gets a constraint of its own)."""
     sampling = raw_sampling(ctx, plan)
     copy = plan.prompts[index].copy
     if copy:  # the n_cmpl copies of one prompt draw from seeds of their own (signed 64-bit, wrapped)
@@ -65,7 +68,7 @@ def submit_prompt(request: Any, ctx: ServerContext, plan: RawPlan, ids: list[int
     gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
                             ignore_eos=plan.ignore_eos, request_id=request_id, deadline=deadline,
                             checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
-                            cache_prompt=plan.cache_prompt)
+                            cache_prompt=plan.cache_prompt, constraint=make_constraint(ctx, compiled))
     try:
         handle = ctx.engine.submit(gen)
     except EngineError as e:

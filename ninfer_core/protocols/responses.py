@@ -54,6 +54,8 @@ from ninfer_core.server.sse import (
     unless_disconnected,
     with_keepalive,
 )
+from ninfer_core.structured.formats import with_instruction
+from ninfer_core.structured.request import compile_request, make_constraint
 
 log = logging.getLogger("ninfer.server")
 SESSION_KEY_MAX = 64
@@ -105,6 +107,7 @@ def prepare_prompt(plan: CreatePlan, ctx: ServerContext,
     thinking, kwargs = resolve_thinking(plan, ctx, preserve)
     context = [(i, "previous_response_id") for i in history] + [(i, f"input.{k}") for k, i in enumerate(new_items)]
     messages = to_messages(context, plan.instructions, ctx.options.lenient_assistant_history)
+    messages = with_instruction(messages, plan.response_format, bool(plan.tools.template_tools))
     return Prepared([], False, history, new_items, parent, preserve, thinking, None), messages, kwargs
 
 
@@ -129,6 +132,13 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
         prep.ids += forced_call_ids(ctx.tokenizer, plan.tools.forced)
         prep.opens_reasoning = False
     return prep
+
+
+def _compile(ctx: ServerContext, plan: CreatePlan):
+    """The compiled text.format, or a forced call's parameter schema (ninfer_core.structured)."""
+    ts = plan.tools
+    return compile_request(ctx, plan.response_format, tools=ts.template_tools or None,
+                           parallel=ts.parallel_tool_calls, forced_tool=ts.forced, tool_param="tool_choice")
 
 
 def replay_frontier(ctx: ServerContext, prep: Prepared, plan: CreatePlan, messages: list[dict]) -> int | None:
@@ -280,6 +290,7 @@ class Responses:
         staged = prepare_prompt(plan, ctx, store)
         if plan.store:
             store.check_fits(record_size({}, staged[0].new_items))
+        compiled = await anyio.to_thread.run_sync(_compile, ctx, plan)  # structured output: 400s here
 
         release = ctx.ingress.acquire()
 
@@ -298,6 +309,7 @@ class Responses:
                                     deadline=deadline, session_id=prep.session_id, session_store=plan.store,
                                     checkpoint_hints=prep.hints,
                                     logprobs=(plan.top_logprobs or 0) if plan.logprobs else None,
+                                    constraint=make_constraint(ctx, compiled, prep.opens_reasoning),
                                     **thinking_fields(ctx, prep, plan.thinking_budget, plan.post_thinking, sampling))
             handle = ctx.engine.submit(gen)
         except BaseException:

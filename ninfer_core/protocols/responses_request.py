@@ -17,6 +17,7 @@ from ninfer_core.protocols.responses_items import show
 from ninfer_core.protocols.responses_tools import ToolSet, parse_tools
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
+from ninfer_core.structured.formats import ResponseFormat, admit, responses_text_format
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
@@ -70,6 +71,7 @@ class CreatePlan:
     include: list[str]
     encrypted_reasoning: bool
     echo: dict[str, Any] = field(default_factory=dict)  # hints echoed in the Response object
+    response_format: ResponseFormat | None = None  # text.format to enforce (--structured-output)
 
 
 def load_body(raw: bytes) -> dict:
@@ -185,6 +187,18 @@ def _reasoning(v: Any) -> tuple[str | None, str | None, dict]:
     return effort, summary, echo
 
 
+def _format_echo(fmt: ResponseFormat | None) -> dict:
+    """text.format as the Response object reports it."""
+    if fmt is None:
+        return {"type": "text"}
+    if fmt.kind == "json_object":
+        return {"type": "json_object"}
+    echo: dict[str, Any] = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema, "strict": fmt.strict}
+    if fmt.description is not None:
+        echo["description"] = fmt.description
+    return echo
+
+
 def _text(v: Any) -> dict:
     if v is None:
         return {"format": {"type": "text"}}
@@ -194,16 +208,8 @@ def _text(v: Any) -> dict:
         if key not in ("format", "verbosity"):
             raise bad_request("unknown_parameter", f"Unknown parameter: 'text.{key}'.", f"text.{key}")
     fmt = v.get("format") or {"type": "text"}
-    if not isinstance(fmt, dict):
-        raise bad_request("invalid_type", "'text.format' must be an object.", "text.format")
-    kind = fmt.get("type")
-    if kind in ("json_object", "json_schema"):
-        raise bad_request("response_format_not_supported", f"text.format type {show(kind)} needs a server started "
-                          "with --structured-output, which this build does not offer yet.", "text.format.type")
-    if kind != "text":
-        raise bad_request("invalid_value", f"text.format type {show(kind)} is not text, json_object or json_schema.",
-                          "text.format.type")
-    out = {"format": {"type": "text"}}
+    parsed = responses_text_format(fmt)  # ninfer_core.structured: text, json_object or flat json_schema
+    out: dict[str, Any] = {"format": _format_echo(parsed)}
     verbosity = v.get("verbosity")
     if verbosity is not None:
         if verbosity != "medium":
@@ -338,6 +344,9 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
     post_thinking = _post_thinking(data.get("post_thinking"))
 
     text = _text(data.get("text"))
+    response_format = None
+    if not count_only and isinstance(data.get("text"), dict):
+        response_format = admit(responses_text_format(data["text"].get("format")), ctx.options)
     tools = parse_tools(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
     max_tool_calls = _int(data, "max_tool_calls", 0)
     trunc = data.get("truncation")
@@ -388,7 +397,8 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         template_kwargs=kwargs, preserve_thinking=preserve, enable_thinking=enable, thinking_budget=budget,
         post_thinking=post_thinking,
         text=text, tools=tools, max_tool_calls=max_tool_calls, top_logprobs=top_logprobs, logprobs=logprobs,
-        include=include, encrypted_reasoning="reasoning.encrypted_content" in include, echo=echo)
+        include=include, encrypted_reasoning="reasoning.encrypted_content" in include, echo=echo,
+        response_format=response_format)
 
 
 def resolve_thinking(plan: CreatePlan, ctx: ServerContext, preserve: bool | None) -> tuple[bool, dict[str, Any]]:
@@ -406,6 +416,8 @@ def resolve_thinking(plan: CreatePlan, ctx: ServerContext, preserve: bool | None
             raise bad_request("tool_choice_not_supported", "a forced tool call needs a prompt without a thinking "
                               "block, but chat_template_kwargs.enable_thinking: true asks for one.", "tool_choice")
         enable = False
+    elif plan.response_format is not None and enable is None and effort is None and plan.thinking_budget is None:
+        enable = False  # spec: structured responses default to thinking disabled unless the request asks
     elif effort is None and enable is not False:
         default = ctx.options.thinking.default_reasoning_effort  # yields to everything the request decides
         if default == "none":

@@ -89,6 +89,7 @@ class ServerContext:
     ingress: Ingress | None = None
     requests_rejected: int = 0  # generation requests refused in preparation (ninfer:requests_rejected_total)
     request_log: Any = None  # ninfer_core.server.request_log.RequestLog with --request-log-jsonl
+    structured: Any = None  # ninfer_core.structured.compiler.StructuredOutput with --structured-output
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:

@@ -133,6 +133,11 @@ class _Loader:
                 from ninfer_core.server.draft_session import DraftSessionEngine
 
                 ctx.engine = DraftSessionEngine(engine)
+            if opts.structured_output:  # xgrammar's tokenizer info and compiler for this model
+                from ninfer_core.structured.compiler import StructuredOutput
+
+                ctx.structured = StructuredOutput(tokenizer, int(info.vocab_size))
+                ctx.structured.warm()
             ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
             if self.template is not None and engine.cache is not None:
                 from ninfer_core.engine.turn_markers import template_turn_markers
