@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import jsonschema
 import pytest
+import torch
 
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import GenerationRequest, SamplingParams
 from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.spec import Proposal, SpecBackend
 from ninfer_core.structured.compiler import StructuredOutput
 from ninfer_core.structured.constraint import Constraint
 from ninfer_core.structured.formats import ResponseFormat
@@ -185,3 +188,132 @@ def test_thinking_first_then_constrained_content():
     assert ids[: len(reasoning) - 1] == reasoning[:-1]  # reasoning and the close were not masked
     body = TOK.decode(ids[ids.index(close) + 1 :])
     jsonschema.validate(json.loads(body), SCHEMA)
+
+
+# -- speculative decoding: a constrained lane verifies drafts, one mask per draft position -------------
+
+
+class _Replay(SpecBackend):
+    """Drafts the next tokens of a recorded output (`outputs[prompt]`), each position replaced by
+    another byte with probability `corrupt`: a drafter whose acceptance the test controls."""
+
+    name = "replay"
+
+    def __init__(self, outputs: dict, k: int = 3, corrupt: float = 0.0, seed: int = 0):
+        self.outputs, self.k, self.corrupt = outputs, k, corrupt
+        self.draft_tokens = k
+        self.proposed = 0
+        self._rng = random.Random(seed)
+
+    def propose(self, lanes):
+        out = []
+        for lane in lanes:
+            hist = list(lane.history)
+            for prompt, ids in self.outputs.items():
+                if tuple(hist[: len(prompt)]) == prompt:
+                    done = len(hist) - len(prompt)
+                    got = ids[done : done + min(self.k, lane.max_drafts)]
+                    break
+            else:
+                got = []
+            got = [self._rng.randrange(32, 127) if self._rng.random() < self.corrupt else t for t in got]
+            self.proposed += len(got)
+            out.append(Proposal(list(got)))
+        return out
+
+
+def spec_engine(runner, spec, **opts) -> Engine:
+    eng = Engine(runner, TOK, EngineOptions(**{"max_context": 1024, "max_concurrency": 4, **opts}), spec=spec)
+    _engines.append(eng)
+    eng.start()
+    return eng
+
+
+def _shaped(i, sampling):
+    return GenerationRequest(
+        prompt_ids=TOK.encode(f"json {i}"), sampling=sampling, max_tokens=300, constraint=constraint()
+    )
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.4])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SAMPLED], ids=["greedy", "sampled"])
+def test_constrained_lanes_verify_drafts_and_commit_what_plain_decoding_commits(sampling, corrupt):
+    plain = run(engine(ToyRunner(), max_concurrency=4), *(_shaped(i, sampling) for i in range(3)))
+    recorded = {tuple(TOK.encode(f"json {i}")): o.token_ids for i, o in enumerate(plain)}
+    runner = ToyRunner()
+    backend = _Replay(recorded, k=4, corrupt=corrupt)
+    eng = spec_engine(runner, backend)
+    outs = run(eng, *(_shaped(i, sampling) for i in range(3)))
+    for a, b in zip(plain, outs):
+        assert b.finish.finish_reason == "stop", b.events[-1]
+        assert b.token_ids == a.token_ids  # the same masks, the same coupled picks, row for row
+        jsonschema.validate(json.loads(b.text), SCHEMA)
+    c = eng.snapshot()["counters"]
+    assert c["draft_tokens"] > 0 and c["draft_accepted_tokens"] > 0
+    widest = max(x[2] for x in runner.calls if x[0] == "verify")
+    if corrupt == 0.0:  # the recorded output is exactly what the masked target picks
+        assert c["draft_accepted_tokens"] >= 0.9 * c["draft_tokens"] - 3 * 4
+        assert c["draft_tokens"] == backend.proposed and widest == 3 * 5  # 3 lanes, K + 1 rows each
+    else:  # drafts the grammar refuses are cut before the forward; admitted wrong ones are rejected
+        assert c["draft_tokens"] < backend.proposed and c["draft_accepted_tokens"] < c["draft_tokens"]
+    snap = eng.snapshot()
+    assert snap["lanes_active"] == 0 and snap["pages_free"] == snap["pages_total"]
+
+
+def test_a_draft_the_grammar_refuses_is_never_verified_or_committed():
+    # the drafts are the model's own unconstrained picks ("not json..."): the grammar refuses most
+    # of them, so they are cut before the verify forward and the output is the plain masked one
+    prompt = TOK.encode("json 0")
+    script = list(b"not json at all, but a long ramble")
+    plain = run(engine(ToyRunner(policy=ScriptPolicy({tuple(prompt): script}))), _shaped(0, SAMPLED))
+    runner = ToyRunner(policy=ScriptPolicy({tuple(prompt): script}))
+    backend = _Replay({tuple(prompt): script}, k=3)
+    eng = spec_engine(runner, backend)
+    (out,) = run(eng, _shaped(0, SAMPLED))
+    assert out.token_ids == plain[0].token_ids
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    c = eng.snapshot()["counters"]
+    assert backend.proposed > 0 and c["draft_tokens"] < backend.proposed
+
+
+class _Costly(Constraint):
+    def fill_next_mask(self, bitmask=None, index=0):
+        time.sleep(0.006)  # over the 4 ms a constrained lane may spend per mask and still draft
+        return super().fill_next_mask(bitmask, index)
+
+
+def test_a_constrained_lane_with_costly_masks_decodes_without_drafts():
+    plain = run(engine(ToyRunner()), _shaped(0, SAMPLED))
+    recorded = {tuple(TOK.encode("json 0")): plain[0].token_ids}
+    runner = ToyRunner()
+    eng = spec_engine(runner, _Replay(recorded, k=3))
+    slow = GenerationRequest(prompt_ids=TOK.encode("json 0"), sampling=SAMPLED, max_tokens=300,
+                             constraint=_like(_Costly, constraint()))
+    (out,) = run(eng, slow)
+    assert out.token_ids == plain[0].token_ids
+    c = eng.snapshot()["counters"]
+    # the first round drafts (no mask measured yet); after that the lane's masks cost > 4 ms
+    assert c["draft_tokens"] <= 3
+    assert not any(x[0] == "verify" for x in runner.calls[3:])
+
+
+def test_mask_rows_follow_the_tentative_drafts_and_roll_back():
+    from ninfer_core.structured.masks import MaskStage
+
+    stage = MaskStage()
+    c = constraint()
+    seq = type("S", (), {"request": type("R", (), {"constraint": c})()})()
+    drafts = list(b'{"na')
+    logits = torch.zeros(len(drafts) + 1, 262)
+    n, err = stage.apply_rows(logits, seq, drafts)
+    assert err is None and n == len(drafts) + 1
+    assert logits[0, ord("{")] == 0 and logits[0, ord("a")] == float("-inf")  # row 0: a '{' opens
+    assert logits[2, ord("n")] == 0 and logits[2, ord("x")] == float("-inf")  # after '{"': the key
+    assert c.accept(ord("{"))  # rolled back: the grammar is where it was, the first token is still '{'
+    bad = list(b'{"zz')
+    c.rollback(1)
+    logits = torch.zeros(len(bad) + 1, 262)
+    n, err = stage.apply_rows(logits, seq, bad)
+    assert err is None and n == 3  # 'z' is refused after '{"': rows 0..2 are usable, no more
+    assert logits[2, ord("z")] == float("-inf")
+    stage.shutdown()

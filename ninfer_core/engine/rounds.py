@@ -78,7 +78,8 @@ class RoundDriver:
             eng._launches += 1
             if eng._flush_after_launch:
                 eng._flush()  # the previous round's events, while the device computes this one
-            refused = self._masks(batch, outs)
+            drafted = [len(d) for d in drafts]  # before a grammar cuts them: a cut draft was rejected
+            refused = self._masks(batch, outs, drafts)
             plans = [self._accept(s, o.logits, d, f) for s, o, d, f in zip(batch, outs, drafts, forced)]
         except Exception as exc:
             log.exception("decode failed for %d requests", len(batch))
@@ -101,16 +102,16 @@ class RoundDriver:
                 return
         committed = 0
         seconds = time.monotonic() - t0
-        report = RoundReport(width=1 + max((len(d) for d in drafts), default=0), batch=len(batch), seconds=seconds)
-        for s, d, src, (tokens, records, n_acc), (kept, text, fin) in zip(batch, drafts, sources, plans, results):
+        report = RoundReport(width=1 + max(drafted, default=0), batch=len(batch), seconds=seconds)
+        for s, d, src, (tokens, records, n_acc), (kept, text, fin) in zip(batch, drafted, sources, plans, results):
             s.num_cached += kept
             committed += kept
             if self.speculative:
                 accepted = min(n_acc, max(0, kept - 1))
                 stats: SpecStats = s.spec
-                stats.record(src, len(d), accepted)
+                stats.record(src, d, accepted)
                 if src == "model":
-                    report.lanes.append((s.request_id, len(d), accepted))
+                    report.lanes.append((s.request_id, d, accepted))
                 if s.drafter is not None and fin is None:
                     s.drafter.extend(s.output_ids[len(s.output_ids) - kept:])
             eng._settle(s, text, fin)
@@ -123,17 +124,19 @@ class RoundDriver:
         if not eng._flush_after_launch:
             eng._flush()
 
-    def _masks(self, batch, outs) -> dict:
-        """Structured output: each constrained lane's logits row masked by its grammar in place (a
-        constrained lane never drafts, so it has one row); {row: EngineError} where a mask failed."""
+    def _masks(self, batch, outs, drafts) -> dict:
+        """Structured output: each constrained lane's verify rows masked by its grammar in place, one
+        mask per draft position (computed on the host while a CUDA forward runs); a lane's drafts are
+        cut to its masked rows. {row: EngineError} where a mask failed (that request alone fails)."""
         refused = {}
         for i, (s, o) in enumerate(zip(batch, outs)):
             if getattr(s.request, "constraint", None) is None:
                 continue
-            row = o.logits if o.logits.dim() == 1 else o.logits[0]
-            got = self.engine._masks.apply(row, [s])
-            if got:
-                refused[i] = got[0]
+            rows = o.logits if o.logits.dim() == 2 else o.logits.unsqueeze(0)
+            n, err = self.engine._masks.apply_rows(rows, s, drafts[i])
+            if err is not None:
+                refused[i] = err
+            del drafts[i][max(0, n - 1):]
         return refused
 
     # -- drafts --------------------------------------------------------------------------------------
@@ -145,10 +148,10 @@ class RoundDriver:
     def _gather_drafts(self, batch, forced, drafts, sources) -> None:
         lanes, idx = [], []
         for i, s in enumerate(batch):
-            # a forced thinking close, or a constrained request (its masks are one per committed token
-            # for now: structured output drafts nothing), decodes without drafts
-            constrained = getattr(s.request, "constraint", None) is not None
-            allowed = 0 if forced[i] is not None or s.thinking.pending or constrained else self._allowed(s)
+            # a forced thinking close, or a constrained request whose masks cost more than 4 ms,
+            # decodes without drafts
+            costly = not self.engine._masks.drafting_allowed(s)
+            allowed = 0 if forced[i] is not None or s.thinking.pending or costly else self._allowed(s)
             if allowed <= 0:
                 continue
             if self.ngram.enabled:
@@ -164,16 +167,18 @@ class RoundDriver:
                                        s.num_cached, s.last_token, min(allowed, self.backend.draft_tokens),
                                        _History(s)))
                 idx.append(i)
-        if not lanes:
-            return
-        proposals: list[Proposal] = self.backend.propose(lanes)
-        width = self.backend.round_width(lanes, proposals)
-        for i, lane, p in zip(idx, lanes, proposals):
-            got = [int(t) for t in p.tokens[: lane.max_drafts]]
-            if width is not None:
-                got = got[:width]
-            if got:
-                drafts[i], sources[i] = got, "model"
+        if lanes:
+            proposals: list[Proposal] = self.backend.propose(lanes)
+            width = self.backend.round_width(lanes, proposals)
+            for i, lane, p in zip(idx, lanes, proposals):
+                got = [int(t) for t in p.tokens[: lane.max_drafts]]
+                if width is not None:
+                    got = got[:width]
+                if got:
+                    drafts[i], sources[i] = got, "model"
+        for i, s in enumerate(batch):  # a constrained lane verifies only the drafts its grammar admits
+            if drafts[i] and getattr(s.request, "constraint", None) is not None:
+                del drafts[i][self.engine._masks.admitted(s, drafts[i]):]
 
     # -- acceptance ----------------------------------------------------------------------------------
     def _accept(self, s: "Sequence", logits, drafts: list[int], forced: int | None):

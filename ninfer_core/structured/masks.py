@@ -22,6 +22,7 @@ import torch
 from ninfer_core.structured.errors import grammar_violation, mask_timeout
 
 MASK_TIMEOUT_S = 5.0
+DRAFT_MASK_BUDGET_S = 0.004  # a constrained request drafts while its masks take at most this (spec)
 
 
 def constraint_of(seq):
@@ -85,6 +86,78 @@ class MaskStage:
                 full[rows] = bitmask
                 xgr.apply_token_bitmask_inplace(view, full, indices=rows)
         return failed
+
+    def drafting_allowed(self, seq) -> bool:
+        """A constrained request verifies drafts while its recent masks cost at most 4 ms each
+        (the verification hides them), and decodes without drafts while they cost more; the next
+        token's mask is measured every round, so drafting resumes once masks are cheap again."""
+        c = constraint_of(seq)
+        if c is None:
+            return True
+        recent = c.mask_seconds[-8:]
+        return not recent or sum(recent) / len(recent) <= DRAFT_MASK_BUDGET_S
+
+    def admitted(self, seq, drafts: list[int]) -> int:
+        """How many leading drafts the request's grammar admits (accepted tentatively, rolled back):
+        the rest are cut before the verify forward, so a refused draft costs no row. Waits for the
+        next token's mask job first (it reads the matcher; it started at the last commit)."""
+        c = constraint_of(seq)
+        if c is None or not drafts or c.is_terminated():
+            return len(drafts) if c is None or not c.is_terminated() else 0
+        if c.job is not None:
+            try:
+                c.job.result(timeout=max(0.0, c.job_started + self.timeout_s - time.monotonic()))
+            except Exception:  # noqa: BLE001 - apply() reports the failure for this request
+                return 0
+        n = 0
+        for d in drafts:
+            if not c.accept(d):
+                break
+            n += 1
+            if c.is_terminated():
+                break
+        c.rollback(n)
+        return n
+
+    def apply_rows(self, logits: torch.Tensor, seq, drafts: list[int]):
+        """A constrained lane's verify rows [T, vocab], masked in place: row 0 by the next token's
+        mask, row j by the mask after the first j drafts (accepted tentatively, then rolled back).
+        Returns (rows usable, EngineError or None): a draft the grammar refuses ends the rows (the
+        row before it excludes it, so it is never accepted), and acceptance reads no further row.
+        A draft that closes the reasoning block switches the following rows to the format's masks."""
+        c = constraint_of(seq)
+        if c is None:
+            return logits.shape[0], None
+        if c.needs_mask():
+            failed = self.apply(logits[0], [seq])
+            if failed:
+                return 1, failed[0]
+        if not drafts or c.is_terminated():
+            return (1 if drafts else logits.shape[0]), None
+        import xgrammar as xgr
+
+        n, t0, masked = 1, time.perf_counter(), 0
+        extra = xgr.allocate_token_bitmask(len(drafts), c.vocab.size)
+        accepted = 0
+        for j, d in enumerate(drafts[: logits.shape[0] - 1]):
+            if not c.accept(d):
+                break
+            accepted += 1
+            if c.is_terminated():  # the grammar ended: the request stops at this token
+                n += 1
+                break
+            if c.needs_mask():
+                c.fill_next_mask(extra, j)
+                masked += 1
+                if not bool(extra[j].any()):
+                    break
+                words = extra.shape[1]
+                xgr.apply_token_bitmask_inplace(logits[n : n + 1], extra[j : j + 1, :words].to(logits.device))
+            n += 1
+        c.rollback(accepted)
+        if masked:
+            c.mask_seconds.append((time.perf_counter() - t0) / masked)
+        return n, None
 
     def commit(self, seq, token: int):
         """Advance the request's grammar with a committed token; an EngineError when refused."""

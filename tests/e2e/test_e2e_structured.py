@@ -35,18 +35,31 @@ FLAGS = ("--structured-output", "--max-concurrency", "8", "--max-context", "2048
 ASK = "Give the answer as JSON."
 
 
-def _launch(request, tmp_path_factory, artifact):
+def _launch(request, tmp_path_factory, artifact, *extra):
     conftest = request.config.pluginmanager.get_plugin(
         str(Path(__file__).resolve().parents[1] / "conftest.py")
     )
     tmp = tmp_path_factory.mktemp("structured")
-    return conftest.launch_server(artifact, *FLAGS, log_dir=tmp, env={"NINFER_CACHE_DIR": str(tmp / "cache")})
+    return conftest.launch_server(
+        artifact, *FLAGS, *extra, log_dir=tmp, env={"NINFER_CACHE_DIR": str(tmp / "cache")}
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_server(request, tmp_path_factory):
     pytest.importorskip("ninfer_tiny")
     s = _launch(request, tmp_path_factory, None)  # the packaged default: ninfer-tiny
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_spec_server(request, tmp_path_factory):
+    """ninfer-tiny with its MTP head drafting (issue 17's speculative part): constrained lanes
+    verify K drafts a round with one grammar mask per draft position."""
+    pytest.importorskip("ninfer_tiny")
+    pytest.importorskip("ninfer_spec_mtp")
+    s = _launch(request, tmp_path_factory, None, "--spec", "mtp", "--draft-tokens", "3")
     yield s
     s.stop()
 
@@ -160,7 +173,7 @@ def _plan() -> list[tuple[int, str, bool]]:
     return runs
 
 
-def _corpus(server, max_tokens: int) -> tuple[int, int, dict]:
+def _corpus(server, max_tokens: int, texts: dict | None = None) -> tuple[int, int, dict]:
     model = _model(server)
     # a schema's validity is checked with formats asserted, as the subset promises them
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -175,12 +188,15 @@ def _corpus(server, max_tokens: int) -> tuple[int, int, dict]:
                     json.loads(text), schema, cls=jsonschema.Draft202012Validator, format_checker=checker
                 )
             except Exception as e:  # noqa: BLE001 - report which run broke
-                return run, completed, f"{type(e).__name__}: {str(e)[:300]} in {text[:300]!r}"
-        return run, completed, None
+                return run, completed, f"{type(e).__name__}: {str(e)[:300]} in {text[:300]!r}", text
+        return run, completed, None, text
 
     runs = _plan()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, runs))
+    if texts is not None:
+        texts.update((r, t) for r, _, _, t in results)
+    results = [(r, c, why) for r, c, why, _ in results]
     bad = {r: why for r, _, why in results if why}
     done = sum(1 for _, c, _ in results if c)
     per = {}
@@ -198,6 +214,30 @@ def test_corpus_on_ninfer_tiny_is_valid_on_every_protocol(tiny_server):
     assert done >= 0.8 * total, info["per_protocol"]
     for (protocol, stream), (n, completed) in info["per_protocol"].items():
         assert completed >= 1, (protocol, stream, n)
+
+
+def test_corpus_with_mtp_drafts_is_valid_and_greedy_equal_to_plain_decoding(tiny_server, tiny_spec_server):
+    plain, spec = {}, {}
+    _corpus(tiny_server, max_tokens=96, texts=plain)
+    total, done, info = _corpus(tiny_spec_server, max_tokens=96, texts=spec)
+    assert not info["invalid"], info["invalid"]
+    assert done >= 0.8 * total, info["per_protocol"]
+    drafted, accepted = _spec_counters(tiny_spec_server)
+    differ = [r for r in plain if plain[r] != spec[r]]
+    print(f"ninfer-tiny --spec mtp: {done}/{total} completed, all valid; drafts {accepted}/{drafted} "
+          f"accepted; {len(differ)} of {total} outputs differ from plain decoding")
+    assert drafted > 0 and accepted > 0
+    # greedy verification commits what plain decoding commits (fp32 on the CPU: no near-ties)
+    assert not differ, [(r, plain[r][:80], spec[r][:80]) for r in differ[:3]]
+
+
+def _spec_counters(server) -> tuple[float, float]:
+    got = {}
+    for line in httpx.get(server.base_url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("ninfer:draft_tokens_total", "ninfer:draft_accepted_tokens_total"):
+            got[name] = float(value)
+    return got.get("ninfer:draft_tokens_total", 0.0), got.get("ninfer:draft_accepted_tokens_total", 0.0)
 
 
 def test_corpus_on_a_random_weight_model_is_valid_on_every_protocol(random_server):
