@@ -304,16 +304,17 @@ def test_mask_rows_follow_the_tentative_drafts_and_roll_back():
     c = constraint()
     seq = type("S", (), {"request": type("R", (), {"constraint": c})()})()
     drafts = list(b'{"na')
+    assert stage.admitted(seq, drafts) == len(drafts)
+    stage.prefetch_rows(seq, drafts)  # rows 1..4 on a host thread, as while a forward runs
     logits = torch.zeros(len(drafts) + 1, 262)
     n, err = stage.apply_rows(logits, seq, drafts)
     assert err is None and n == len(drafts) + 1
     assert logits[0, ord("{")] == 0 and logits[0, ord("a")] == float("-inf")  # row 0: a '{' opens
     assert logits[2, ord("n")] == 0 and logits[2, ord("x")] == float("-inf")  # after '{"': the key
-    assert c.accept(ord("{"))  # rolled back: the grammar is where it was, the first token is still '{'
-    bad = list(b'{"zz')
+    assert logits[4, ord("m")] == 0 and logits[4, ord("e")] == float("-inf")  # after '{"na': "name"
+    # rolled back: the grammar is where it was, so the first token is still '{' and nothing else
+    assert not c.accept(ord("a")) and c.accept(ord("{"))
     c.rollback(1)
-    logits = torch.zeros(len(bad) + 1, 262)
-    n, err = stage.apply_rows(logits, seq, bad)
-    assert err is None and n == 3  # 'z' is refused after '{"': rows 0..2 are usable, no more
-    assert logits[2, ord("z")] == float("-inf")
+    assert stage.admitted(seq, list(b'{"zz')) == 2  # 'z' starts no key: the drafts are cut there
+    assert stage.admitted(seq, list(b'x{')) == 0
     stage.shutdown()

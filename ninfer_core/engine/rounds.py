@@ -126,8 +126,8 @@ class RoundDriver:
 
     def _masks(self, batch, outs, drafts) -> dict:
         """Structured output: each constrained lane's verify rows masked by its grammar in place, one
-        mask per draft position (computed on the host while a CUDA forward runs); a lane's drafts are
-        cut to its masked rows. {row: EngineError} where a mask failed (that request alone fails)."""
+        mask per draft position (computed on a host thread while the forward ran); a lane's drafts
+        are cut to its usable rows. {row: EngineError} where a mask failed (that request alone fails)."""
         refused = {}
         for i, (s, o) in enumerate(zip(batch, outs)):
             if getattr(s.request, "constraint", None) is None:
@@ -179,6 +179,7 @@ class RoundDriver:
         for i, s in enumerate(batch):  # a constrained lane verifies only the drafts its grammar admits
             if drafts[i] and getattr(s.request, "constraint", None) is not None:
                 del drafts[i][self.engine._masks.admitted(s, drafts[i]):]
+                self.engine._masks.prefetch_rows(s, drafts[i])  # their masks, while the forward runs
 
     # -- acceptance ----------------------------------------------------------------------------------
     def _accept(self, s: "Sequence", logits, drafts: list[int], forced: int | None):

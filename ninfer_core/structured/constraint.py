@@ -45,6 +45,8 @@ class Constraint:
         self.bitmask = xgr.allocate_token_bitmask(1, vocab.size)  # [1, words] int32, CPU
         # the engine's mask job (ninfer_core.structured.masks): future, start time, token count
         self.job = None
+        self.rows_job = None  # a verify round's draft-position masks (MaskStage.prefetch_rows)
+        self.rows_started = 0.0
         self.job_started = 0.0
         self.mask_seconds: list[float] = []
 

@@ -100,15 +100,12 @@ class MaskStage:
     def admitted(self, seq, drafts: list[int]) -> int:
         """How many leading drafts the request's grammar admits (accepted tentatively, rolled back):
         the rest are cut before the verify forward, so a refused draft costs no row. Waits for the
-        next token's mask job first (it reads the matcher; it started at the last commit)."""
+        next token's mask first (its job reads the matcher; it started at the last commit)."""
         c = constraint_of(seq)
-        if c is None or not drafts or c.is_terminated():
-            return len(drafts) if c is None or not c.is_terminated() else 0
-        if c.job is not None:
-            try:
-                c.job.result(timeout=max(0.0, c.job_started + self.timeout_s - time.monotonic()))
-            except Exception:  # noqa: BLE001 - apply() reports the failure for this request
-                return 0
+        if c is None:
+            return len(drafts)
+        if not drafts or c.is_terminated() or not self._settle_job(c):
+            return 0
         n = 0
         for d in drafts:
             if not c.accept(d):
@@ -119,44 +116,62 @@ class MaskStage:
         c.rollback(n)
         return n
 
+    def prefetch_rows(self, seq, drafts: list[int]) -> None:
+        """Start the masks of draft positions 1..k on a host thread, to run while the verify forward
+        does (call after `admitted`, with the drafts it kept, before the forward launches)."""
+        c = constraint_of(seq)
+        if c is None or not drafts:
+            return
+        self._settle_job(c)
+        c.rows_started = time.monotonic()
+        c.rows_job = self._executor().submit(_fill_rows, c, list(drafts))
+
+    def _settle_job(self, c) -> bool:
+        """The next token's mask job started (when needed) and finished; False when it failed (the
+        row-0 `apply` reports that failure for this request)."""
+        self.prefetch(c)
+        if c.job is None:
+            return True
+        try:
+            c.job.result(timeout=max(0.0, c.job_started + self.timeout_s - time.monotonic()))
+            return True
+        except Exception:  # noqa: BLE001 - apply() reports it
+            return False
+
     def apply_rows(self, logits: torch.Tensor, seq, drafts: list[int]):
         """A constrained lane's verify rows [T, vocab], masked in place: row 0 by the next token's
-        mask, row j by the mask after the first j drafts (accepted tentatively, then rolled back).
-        Returns (rows usable, EngineError or None): a draft the grammar refuses ends the rows (the
-        row before it excludes it, so it is never accepted), and acceptance reads no further row.
-        A draft that closes the reasoning block switches the following rows to the format's masks."""
+        mask, row j by the mask after the first j drafts (`prefetch_rows` computed those while the
+        forward ran). Returns (rows usable, EngineError or None): a draft whose following mask admits
+        nothing ends the usable rows, and acceptance reads no further row."""
         c = constraint_of(seq)
         if c is None:
             return logits.shape[0], None
+        job, c.rows_job = getattr(c, "rows_job", None), None
         if c.needs_mask():
             failed = self.apply(logits[0], [seq])
             if failed:
+                if job is not None:
+                    _quiet_wait(job, self.timeout_s)  # it reads the matcher: let it end first
                 return 1, failed[0]
-        if not drafts or c.is_terminated():
-            return (1 if drafts else logits.shape[0]), None
-        import xgrammar as xgr
+        if not drafts:
+            return logits.shape[0], None
+        if job is None:  # (not prefetched: nothing says the drafts' rows are admitted)
+            return 1, None
+        try:
+            extra, masked, n = job.result(timeout=max(0.0, c.rows_started + self.timeout_s - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            _quiet_wait(job, None)
+            return 1, mask_timeout(self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed mask fails its own request only
+            return 1, _mask_error(e)
+        rows = [j + 1 for j in range(n - 1) if masked[j]]
+        if rows:
+            import xgrammar as xgr
 
-        n, t0, masked = 1, time.perf_counter(), 0
-        extra = xgr.allocate_token_bitmask(len(drafts), c.vocab.size)
-        accepted = 0
-        for j, d in enumerate(drafts[: logits.shape[0] - 1]):
-            if not c.accept(d):
-                break
-            accepted += 1
-            if c.is_terminated():  # the grammar ended: the request stops at this token
-                n += 1
-                break
-            if c.needs_mask():
-                c.fill_next_mask(extra, j)
-                masked += 1
-                if not bool(extra[j].any()):
-                    break
-                words = extra.shape[1]
-                xgr.apply_token_bitmask_inplace(logits[n : n + 1], extra[j : j + 1, :words].to(logits.device))
-            n += 1
-        c.rollback(accepted)
-        if masked:
-            c.mask_seconds.append((time.perf_counter() - t0) / masked)
+            full = torch.zeros((logits.shape[0], extra.shape[1]), dtype=extra.dtype)
+            for r in rows:
+                full[r] = extra[r - 1]
+            xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows)
         return n, None
 
     def commit(self, seq, token: int):
@@ -188,6 +203,43 @@ def _fill(c) -> bool:
     if applies:
         c.mask_seconds.append(time.perf_counter() - t0)
     return applies
+
+
+def _fill_rows(c, drafts: list[int]):
+    """The masks after each draft prefix: (bitmask [k, words], row j+1 masked?, rows usable).
+    The drafts are accepted tentatively and rolled back, whatever happens."""
+    import xgrammar as xgr
+
+    extra = xgr.allocate_token_bitmask(len(drafts), c.vocab.size)
+    masked = [False] * len(drafts)
+    n, accepted, filled, t0 = 1, 0, 0, time.perf_counter()
+    try:
+        for j, d in enumerate(drafts):
+            if not c.accept(d):
+                break
+            accepted += 1
+            if c.is_terminated():  # the grammar ended: the request stops at this token
+                n += 1
+                break
+            if c.needs_mask():
+                c.fill_next_mask(extra, j)
+                filled += 1
+                if not bool(extra[j].any()):
+                    break
+                masked[j] = True
+            n += 1
+    finally:
+        c.rollback(accepted)
+    if filled:
+        c.mask_seconds.append((time.perf_counter() - t0) / filled)
+    return extra, masked, n
+
+
+def _quiet_wait(job, timeout) -> None:
+    try:
+        job.result(timeout=timeout)
+    except Exception:  # noqa: BLE001 - its result is not needed
+        pass
 
 
 def _mask_error(e: Exception):
