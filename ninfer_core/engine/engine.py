@@ -23,6 +23,7 @@ from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
 from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
+from ninfer_core.engine.cache_lease import build_page_leases, lease_window_tokens
 from ninfer_core.engine.detok import OutputText
 from ninfer_core.engine.model_api import PAGE_SIZE, ModelRunner, SeqView
 from ninfer_core.engine.pages import PagePool, pages_for
@@ -84,7 +85,10 @@ class Engine:
         self.scheduler = Scheduler(options.max_concurrency, pool, SlotPool(options.max_concurrency),
                                    cache=self.cache)
         self.budget = BudgetPolicy(options.max_context, options.max_concurrency, self.pool_pages,
-                                   self.page_size, options.default_max_tokens)
+                                   self.page_size, options.default_max_tokens,
+                                   lease_window_tokens(options) if options.kv_lease_growth else None)
+        # Pages a lane receives after admission (own-pages leases, --kv-lease-growth): grown at boundaries.
+        self.leases = build_page_leases(pool, self.cache, options)
         self.capacity = options.max_concurrency + options.max_pending_requests
         eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         eos.update(getattr(getattr(runner, "info", None), "eos_token_ids", ()) or ())
@@ -346,6 +350,9 @@ class Engine:
                 for seq in admitted:
                     seq.t_admit = now
                     self.counters["prompt_tokens_total"] += seq.prompt_len
+            short = self.leases.grow(self.scheduler.lanes) if self.leases is not None else []
+        for seq in short:  # --kv-lease-growth: the pool could not give its next page
+            self._finish(seq, "length", "max_tokens", seq.output.finish())
         if ended or admitted:
             self._flush()
         for seq, event in ended:
