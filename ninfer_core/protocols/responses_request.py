@@ -14,7 +14,7 @@ from typing import Any
 
 from ninfer_core.engine.api import EngineError
 from ninfer_core.protocols.responses_items import show
-from ninfer_core.protocols.responses_tools import ToolSet, parse_tools
+from ninfer_core.protocols.responses_tools import ToolSet, drop_hosted_tools, parse_tools
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 
@@ -70,6 +70,7 @@ class CreatePlan:
     include: list[str]
     encrypted_reasoning: bool
     echo: dict[str, Any] = field(default_factory=dict)  # hints echoed in the Response object
+    dropped_tools: list[str] = field(default_factory=list)  # hosted tool types --drop-hosted-tools removed
 
 
 def load_body(raw: bytes) -> dict:
@@ -338,7 +339,10 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
     post_thinking = _post_thinking(data.get("post_thinking"))
 
     text = _text(data.get("text"))
-    tools = parse_tools(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+    raw_tools, dropped = data.get("tools"), []
+    if getattr(ctx.options, "drop_hosted_tools", False):
+        raw_tools, dropped = drop_hosted_tools(raw_tools)
+    tools = parse_tools(raw_tools, data.get("tool_choice"), data.get("parallel_tool_calls"))
     max_tool_calls = _int(data, "max_tool_calls", 0)
     trunc = data.get("truncation")
     if trunc is not None and trunc != "disabled":
@@ -388,7 +392,8 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         template_kwargs=kwargs, preserve_thinking=preserve, enable_thinking=enable, thinking_budget=budget,
         post_thinking=post_thinking,
         text=text, tools=tools, max_tool_calls=max_tool_calls, top_logprobs=top_logprobs, logprobs=logprobs,
-        include=include, encrypted_reasoning="reasoning.encrypted_content" in include, echo=echo)
+        include=include, encrypted_reasoning="reasoning.encrypted_content" in include, echo=echo,
+        dropped_tools=dropped)
 
 
 def resolve_thinking(plan: CreatePlan, ctx: ServerContext, preserve: bool | None) -> tuple[bool, dict[str, Any]]:
