@@ -76,6 +76,8 @@ class GenerationRequest:
     thinking_budget: int | None = None
     budget_close_ids: list[int] = field(default_factory=list)
     post_thinking: SamplingParams | None = None
+    # llama.cpp's return_progress: a "progress" event after every prefill unit but the last.
+    progress: bool = False
 
 
 @dataclass
@@ -87,9 +89,11 @@ class Usage:
 
 @dataclass
 class EngineEvent:
-    """kind: "admitted" | "delta" | "finish" | "error".
+    """kind: "admitted" | "progress" | "delta" | "finish" | "error".
 
     admitted: `usage` with prompt_tokens and cached_tokens (the reused prefix admission chose).
+    progress: (requests with `progress`) `progress` {"total", "cache", "processed"} after a prefill
+            unit committed; consumers that do not know the kind skip it.
     delta: `token_ids` committed and `text` (their decoded text, stop strings withheld).
     finish: `finish_reason` "stop" | "length" (| "cancelled"), `usage`, `timings`,
             `stop_reason` detail ("eos", "stop_string", "max_tokens", "context"),
@@ -115,6 +119,8 @@ class EngineEvent:
     # finish: context-cache facts: source (the reuse path), cache_n, and id_slot / session_digest of
     # the /slots cell the completed session was retained under (None without a context cache)
     context: dict | None = None
+    # progress: prompt tokens in all, reused, and processed so far (reused included)
+    progress: dict | None = None
 
 
 @dataclass

@@ -221,6 +221,19 @@ class Engine:
             self._cv.notify_all()
         return fut
 
+    def end_reasoning(self, request_id: str) -> "concurrent.futures.Future":
+        """End a request's thinking at the next boundary, as the thinking budget does (llama.cpp's
+        reasoning_end control): its close sequence is committed over the next decode rounds. The
+        future's result: True when the close was queued or the block is already closed, False when
+        the request has no close sequence, None when no live request has that id."""
+        def apply():
+            for seq in list(self.scheduler.lanes) + list(self.scheduler.waiting):
+                if seq.request_id == request_id and seq.thinking is not None:
+                    return seq.thinking.end_now()
+            return None
+
+        return self.run_control(apply)
+
     def _run_controls(self) -> None:
         self._flush()
         with self._cv:
@@ -456,6 +469,9 @@ class Engine:
                 if not last:
                     self.cache.after_chunk(seq, time.monotonic())
         if not last:
+            if seq.request.progress:  # llama.cpp return_progress
+                self._post(seq, EngineEvent("progress", progress={"total": seq.prompt_len, "cache": seq.cache_n,
+                                                                  "processed": seq.num_cached}))
             return
         seq.t_first = time.monotonic()
         if token is None:  # max_tokens == 0: prompt processing only

@@ -26,13 +26,13 @@ from ninfer_core.protocols.raw_prompt import (
     settings_dict,
 )
 from ninfer_core.protocols.raw_submit import (
-    LiveTimings,
     RawSubmission,
     cancelled_error,
     submit_raw,
     unfinished_error,
 )
 from ninfer_core.server.context import ServerContext
+from ninfer_core.server.progress import StreamTimings
 from ninfer_core.server.errors import bad_request, engine_error_body, parse_json_body, parse_off_loop, internal_error
 from ninfer_core.server.sse import (
     KEEPALIVE,
@@ -124,7 +124,7 @@ class LlamaCompletion:
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         raw = await request.body()
         plan = await parse_off_loop(raw, validate_body, ctx)
-        sub = await submit_raw(request, ctx, plan.raw)
+        sub = await submit_raw(request, ctx, plan.raw, progress=plan.return_progress and plan.raw.stream)
         if plan.raw.stream:
             return EventStreamResponse(self._stream(ctx, plan, sub), on_disconnect=sub.handle.cancel,
                                        on_close=sub.release)
@@ -170,7 +170,7 @@ class LlamaCompletion:
         raise unfinished_error()
 
     async def _stream(self, ctx: ServerContext, plan: LlamaPlan, sub: RawSubmission) -> AsyncIterator[str]:
-        live = LiveTimings(len(sub.prompt_ids))
+        live = StreamTimings(len(sub.prompt_ids))
         ids: list[int] = []
         total = len(sub.prompt_ids)
         progress_done = False
@@ -183,10 +183,8 @@ class LlamaCompletion:
                 obj["timings"] = live.snapshot()
             return sse_data(select_fields(obj, plan.response_fields))
 
-        def progress(processed: int) -> str:
-            pp = {"total": total, "cache": live.cache_n, "processed": processed,
-                  "time_ms": int(live.prompt_ms()) if processed > live.cache_n else 0}
-            return chunk("", prompt_progress=pp)
+        def progress(final: bool = False) -> str:
+            return chunk("", prompt_progress=live.progress(final))
 
         try:
             async with aclosing(with_keepalive(sub.handle.events(), ctx.keepalive_s)) as events:
@@ -196,12 +194,15 @@ class LlamaCompletion:
                     elif ev.kind == "admitted":
                         live.admitted(ev.usage.cached_tokens if ev.usage else 0)
                         if plan.return_progress:
-                            yield progress(live.cache_n)
+                            yield progress()
+                    elif ev.kind == "progress":  # a prefill unit committed (server/progress.py)
+                        live.progressed((ev.progress or {}).get("processed", 0))
+                        if plan.return_progress:
+                            yield progress()
                     elif ev.kind == "delta":
                         if plan.return_progress and not progress_done:
                             progress_done = True
-                            live.tokens(0)
-                            yield progress(total)
+                            yield progress(final=True)
                         ids.extend(ev.token_ids)
                         live.tokens(len(ev.token_ids))
                         if ev.text:
@@ -214,7 +215,7 @@ class LlamaCompletion:
                             yield sse_data(engine_error_body(cancelled_error()))
                             return
                         if plan.return_progress and not progress_done:
-                            yield progress(total)
+                            yield progress(final=True)
                         final = self._final(ctx, plan, sub, ev, "", ids, self._prompt_text(ctx, sub))
                         yield sse_data(select_fields(final, plan.response_fields))
                         return

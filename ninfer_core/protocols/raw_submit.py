@@ -34,11 +34,12 @@ class RawSubmission:
     release: Any  # idempotent: gives the ingress unit back
 
 
-async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: int | None = None
-                     ) -> RawSubmission:
+async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: int | None = None,
+                     progress: bool = False) -> RawSubmission:
     """Hold an ingress unit, tokenize on a worker thread, submit; the caller must `release()`.
 
-    `logprobs` (k) asks the engine for each generated token's log probability and k alternatives."""
+    `logprobs` (k) asks the engine for each generated token's log probability and k alternatives;
+    `progress` for its prefill progress events (return_progress)."""
     deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
     release = ctx.ingress.acquire()
 
@@ -52,7 +53,7 @@ async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: 
                                 ignore_eos=plan.ignore_eos,
                                 request_id=request.scope.get("state", {}).get("request_id", ""),
                                 deadline=deadline, checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
-                                cache_prompt=plan.cache_prompt)
+                                cache_prompt=plan.cache_prompt, progress=progress)
         handle = ctx.engine.submit(gen)
     except EngineError as e:
         release()
