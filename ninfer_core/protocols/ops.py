@@ -46,7 +46,7 @@ def props(ctx: ServerContext) -> dict[str, Any]:
         "modalities": {"vision": ctx.model.vision, "audio": False},
         "build_info": f"ninfer {build_string()}",
         "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
-        "cors_proxy_enabled": False,
+        "cors_proxy_enabled": bool(getattr(ctx.options, "webui_mcp_proxy", False)),
     }
 
 

@@ -270,6 +270,13 @@ def run_serve(args) -> int:
         log.warning("the artifact has no chat template: chat requests will fail (use --chat-template FILE)")
 
     ctx = ServerContext(options=options, plugins=host)
+    from ninfer_core.server.webui import WebUI, WebUIError, resolve_webui_dir
+
+    try:
+        webui_root = resolve_webui_dir(options.webui_dir, options.no_webui)
+    except WebUIError as e:
+        return _fail(str(e))
+    ctx.webui = WebUI(webui_root) if webui_root is not None else None
     if options.request_log_jsonl:
         from ninfer_core.server.request_log import RequestLog, RequestLogError, check_log_path
 
@@ -300,6 +307,8 @@ def run_serve(args) -> int:
     base = _announce(options.host, port)
     log.info("ninfer %s", build_string())
     log.info("listening on %s (API base %s/v1)", base, base)
+    if ctx.webui is not None:
+        log.info("WebUI on %s/ (from %s)", base, ctx.webui.root)
     if stats_sock is not None:
         log.info("stats listening on %s (GET /health, /stats, /v1/load, /metrics)",
                  _announce(options.host, stats_sock.getsockname()[1]))
