@@ -17,7 +17,7 @@ set -euo pipefail
 
 CLAUDE_CODE_VERSION=2.1.197
 CODEX_VERSION=0.171.0
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=${NINFER_REPO:-$(cd "$(dirname "$0")/.." && pwd)}
 OUT=${1:-$REPO/tests/e2e/fixtures/clients}
 NINFER_CMD=${NINFER_CMD:-python -m ninfer_core.cli}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ninfer-capture.XXXXXX")
@@ -92,9 +92,10 @@ EOF
     echo "== $client turn $i: $cmd"
     (cd "$home/project" && env HOME="$home" ANTHROPIC_BASE_URL="http://127.0.0.1:$proxy_port" \
         ANTHROPIC_API_KEY=sk-ninfer-local CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 \
-        API_TIMEOUT_MS=1800000 \
+        API_TIMEOUT_MS=1800000 CLAUDE_STREAM_IDLE_TIMEOUT_MS=1800000 CLAUDE_CODE_DISABLE_1M_CONTEXT=1 \
         CLAUDE="$CLAUDE" CODEX="$CODEX" timeout 900 bash -c "$cmd" </dev/null >"$WORK/$client-turn$i.out" 2>&1) \
-      || { echo "error: $client turn $i failed:" >&2; tail -20 "$WORK/$client-turn$i.out" >&2; exit 1; }
+      || { echo "error: $client turn $i failed:" >&2; tail -20 "$WORK/$client-turn$i.out" >&2
+           echo "server log:" >&2; grep -v warmup "$WORK/server.log" | tail -20 >&2; exit 1; }
     sleep 1  # the proxy writes a request's line when its response has ended
     turns+=("$(wc -l <"$raw")")
   done
