@@ -37,6 +37,11 @@ UI=llama_cpp_python-$VERSION/vendor/llama.cpp/tools/ui
 echo "== unpacking $UI" >&2
 tar -xzf "$SDIST" -C "$WORK" "$UI"
 cd "$WORK/$UI"
+# SvelteKit names each build by the time it was made (kit.version.name defaults to Date.now()),
+# which is written into the bundle; a fixed name makes two builds of this sdist byte-identical.
+grep -q '^export default config;$' svelte.config.js || { echo "error: unexpected svelte.config.js" >&2; exit 1; }
+sed -i "s/^export default config;\$/config.kit.version = { name: 'llama-cpp-python-$VERSION' };\nexport default config;/" \
+  svelte.config.js
 echo "== npm ci (the versions of package-lock.json)" >&2
 npm ci --no-audit --no-fund --loglevel=error >&2
 echo "== npm run build" >&2

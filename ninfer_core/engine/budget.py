@@ -83,6 +83,6 @@ class BudgetPolicy:
             raise EngineError(
                 400, "context_length_exceeded",
                 f"{what}, but the KV pool holds {self.pool_tokens} tokens: start the server with a larger "
-                f"--kv-capacity", 
+                "--kv-capacity",
                 "messages" if alone else "max_tokens")
         return Budget(limit, limit == remaining, pages)
