@@ -98,7 +98,9 @@ def send(base: str, req: dict) -> tuple[int, int, str, float]:
             continue
         ev = json.loads(line[6:])
         kind = ev.get("type")
-        if kind == "content_block_delta":
+        if kind == "content_block_start" and ev["content_block"]["type"] == "tool_use":
+            text.append(ev["content_block"]["name"])  # its id is random
+        elif kind == "content_block_delta":
             text.append(ev["delta"].get("text") or ev["delta"].get("thinking") or ev["delta"].get("partial_json") or "")
         elif kind == "message_delta":
             u = ev["usage"]
@@ -112,8 +114,9 @@ def send(base: str, req: dict) -> tuple[int, int, str, float]:
         elif kind is None and ev.get("choices") is not None:
             if ev["choices"]:
                 d = ev["choices"][0].get("delta") or {}
+                calls = [{k: v for k, v in c.items() if k != "id"} for c in d.get("tool_calls") or []]
                 text.append((d.get("reasoning_content") or "") + (d.get("content") or "")
-                            + json.dumps(d.get("tool_calls") or ""))
+                            + (json.dumps(calls) if calls else ""))  # call ids are random
             if ev.get("usage"):
                 prompt = ev["usage"]["prompt_tokens"]
             if ev.get("timings") and ev["choices"] and ev["choices"][0].get("finish_reason"):
