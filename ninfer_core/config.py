@@ -32,6 +32,10 @@ class EngineOptions:
     # Context cache (ninfer_core.engine.cache_options): the library default is root-only;
     # `ninfer serve` turns reuse on unless --no-prefix-reuse. None capacities take the spec defaults.
     prefix_reuse: bool = False
+    # Admission page leases (ninfer_core.engine.cache_lease): --kv-lease-growth reserves a window
+    # of output and grows it; --reserve-continuation-pages turns the own-pages lease off.
+    kv_lease_growth: bool = False
+    reserve_continuation_pages: bool = False
     device_state_slots: int | None = None
     host_state_slots: int | None = None
     host_kv_mib: int | None = None
@@ -178,6 +182,11 @@ class ServeOptions:
     # Structured output (ninfer_core.structured; spec "Structured output")
     structured_output: bool = False  # accept JSON / JSON Schema formats and grammars, enforced by xgrammar
     unconstrained_response_format: bool = False  # without it: generate such requests unconstrained, not 400
+    # Agent clients and the WebUI (add_client_arguments)
+    drop_hosted_tools: bool = False  # Responses: remove hosted tools (web_search, ...) instead of refusing
+    webui_dir: str | None = None  # a built llama.cpp WebUI served at GET /; None: the one fetch-webui.sh built
+    no_webui: bool = False
+    webui_mcp_proxy: bool = False  # the /cors-proxy relay for the WebUI's MCP client
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
@@ -255,6 +264,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_spec_arguments(p)
     add_llamacpp_arguments(p)
     add_structured_arguments(p)
+    add_client_arguments(p)
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
@@ -328,6 +338,28 @@ def structured_options_from_args(a: argparse.Namespace) -> dict:
             "unconstrained_response_format": bool(getattr(a, "unconstrained_response_format", False))}
 
 
+# -- agent clients and the WebUI ------------------------------------------------------------------
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drop-hosted-tools", action="store_true",
+                   help="Responses: remove hosted tools (web_search, file_search, code_interpreter, image_generation, "
+                        "computer use, mcp, local_shell) from a request instead of refusing it")
+    p.add_argument("--webui-dir", default=None, metavar="DIR",
+                   help="serve the built llama.cpp WebUI in DIR at GET / (default: the one scripts/fetch-webui.sh "
+                        "built, when present)")
+    p.add_argument("--no-webui", action="store_true", help="do not serve a WebUI")
+    p.add_argument("--webui-mcp-proxy", action="store_true",
+                   help="relay the WebUI's MCP traffic at /cors-proxy (http targets, no API key)")
+
+
+def client_options_from_args(a: argparse.Namespace) -> dict:
+    if getattr(a, "webui_dir", None) and getattr(a, "no_webui", False):
+        raise ValueError("--webui-dir and --no-webui exclude each other")
+    return {"drop_hosted_tools": bool(getattr(a, "drop_hosted_tools", False)),
+            "webui_dir": getattr(a, "webui_dir", None), "no_webui": bool(getattr(a, "no_webui", False)),
+            "webui_mcp_proxy": bool(getattr(a, "webui_mcp_proxy", False))}
+
+
 def options_from_args(a: argparse.Namespace) -> ServeOptions:
     eng = EngineOptions(
         max_context=a.max_context, kv_capacity=a.kv_capacity, max_concurrency=a.max_concurrency,
@@ -377,5 +409,6 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         accept_any_model=getattr(a, "accept_any_model", False), aliases=list(getattr(a, "alias", []) or []),
         tags=list(getattr(a, "tags", []) or []),
         **structured_options_from_args(a),
+        **client_options_from_args(a),
     )
 

@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: list[tuple[str, str]] = [
     ("rerank", "ninfer_core.protocols.rerank"),
     ("anthropic", "ninfer_core.protocols.anthropic"),
     ("responses", "ninfer_core.protocols.responses"),
+    ("webui", "ninfer_core.protocols.webui"),
 ]
 
 # Hook name -> registry kind.

@@ -85,6 +85,8 @@ class GenerationRequest:
     # Structured output: a ninfer_core.structured.constraint.Constraint (the request's grammar, built
     # by the server), or None. The engine masks the request's logits with it and advances it on commit.
     constraint: Any = None
+    # llama.cpp's return_progress: a "progress" event after every prefill unit but the last.
+    progress: bool = False
 
 
 @dataclass
@@ -96,9 +98,11 @@ class Usage:
 
 @dataclass
 class EngineEvent:
-    """kind: "admitted" | "delta" | "finish" | "error".
+    """kind: "admitted" | "progress" | "delta" | "finish" | "error".
 
     admitted: `usage` with prompt_tokens and cached_tokens (the reused prefix admission chose).
+    progress: (requests with `progress`) `progress` {"total", "cache", "processed"} after a prefill
+            unit committed; consumers that do not know the kind skip it.
     delta: `token_ids` committed and `text` (their decoded text, stop strings withheld).
     finish: `finish_reason` "stop" | "length" (| "cancelled"), `usage`, `timings`,
             `stop_reason` detail ("eos", "stop_string", "max_tokens", "context"),
@@ -126,6 +130,8 @@ class EngineEvent:
     context: dict | None = None
     # finish: speculative-decoding counters (request_done.speculative), None without speculation
     speculative: dict | None = None
+    # progress: prompt tokens in all, reused, and processed so far (reused included)
+    progress: dict | None = None
 
 
 @dataclass

@@ -25,12 +25,14 @@ class BudgetPolicy:
     """Output limits for one engine: `max_context`, `lanes` over a pool of `pool_pages` pages."""
 
     def __init__(self, max_context: int, lanes: int, pool_pages: int, page_size: int,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, lease_window: int | None = None):
         self.max_context = max_context
         self.lanes = lanes
         self.pool_pages = pool_pages
         self.page_size = page_size
         self.default_max_tokens = default_max_tokens
+        # --kv-lease-growth: admission reserves the prompt plus this much output (cache_lease grows it)
+        self.lease_window = lease_window
 
     @property
     def pool_tokens(self) -> int:
@@ -61,7 +63,8 @@ class BudgetPolicy:
             raise EngineError(
                 400, "context_length_exceeded",
                 f"the prompt has {prompt_tokens} tokens, which leaves no room for output in the "
-                f"context ceiling of {self.max_context} tokens (--max-context)", "messages")
+                f"context ceiling of {self.max_context} tokens: start the server with a larger --max-context",
+                "messages")
         if max_tokens is not None and max_tokens < 0:
             raise EngineError(400, "invalid_request", f"max_tokens must be >= 0, got {max_tokens}",
                               "max_tokens")
@@ -71,12 +74,15 @@ class BudgetPolicy:
         else:
             limit = min(max_tokens, remaining)
         pages = pages_for(prompt_tokens + limit, self.page_size)
+        if self.lease_window is not None:
+            pages = pages_for(prompt_tokens + min(limit, self.lease_window), self.page_size)
         if pages > self.pool_pages:
             alone = pages_for(prompt_tokens, self.page_size) > self.pool_pages
             what = (f"the prompt has {prompt_tokens} tokens" if alone else
                     f"the prompt has {prompt_tokens} tokens and asks for up to {limit} output tokens")
             raise EngineError(
                 400, "context_length_exceeded",
-                f"{what}, but the KV pool holds {self.pool_tokens} tokens (--kv-capacity)",
+                f"{what}, but the KV pool holds {self.pool_tokens} tokens: start the server with a larger "
+                "--kv-capacity",
                 "messages" if alone else "max_tokens")
         return Budget(limit, limit == remaining, pages)

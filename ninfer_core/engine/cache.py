@@ -151,6 +151,10 @@ class ContextCache:
         self.runner = runner
         self.kv_bytes_per_token = kv_bytes_per_token
         self.disk = None  # ninfer_core.engine.cache_disk.DiskTier with --disk-kv-path
+        # cache_lease.PageLeases (set by build_page_leases); own_pages: a resumed continuation's
+        # own pages need no reservation at admission (off with --reserve-continuation-pages)
+        self.leases = None
+        self.own_pages = True
         self._clock = _monotonic
         self.pages = pages
         self.caps = caps
@@ -298,6 +302,12 @@ class ContextCache:
             summary["planning_elapsed_ns"] = time.monotonic_ns() - t_plan
             seq.cache_choice = {"resume": deepest, "summary": summary}
             return True
+        offer = self._own_pages(seq, deepest)  # the continuation's own pages need no reservation
+        if offer is not None and need <= offer.pages:
+            summary["planning_elapsed_ns"] = time.monotonic_ns() - t_plan
+            summary["lease_pages"] = need
+            seq.cache_choice = {"resume": deepest, "summary": summary, "offer": offer}
+            return True
         pending = self._spill_pending_pages()
         if pending >= need:
             return False  # evicted owners are being written out a batch at a time; their pages follow
@@ -313,14 +323,19 @@ class ContextCache:
         options: list[Resume] = []
         by_key: dict[Any, Any] = {}
         free = self.pages.num_free + pending
+        offers: dict[Any, Any] = {}
         for cand in list(cands[: MAX_RESUME_OPTIONS - 1]) + [None]:
             ckpt = cand[0] if cand is not None else None
             f = ckpt.frontier if ckpt is not None else 0
             key = ckpt.id if ckpt is not None else "root"
             by_key[key] = cand
             keep = (ckpt.id,) if ckpt is not None and ckpt.id in planner.items else ()
+            offer = offers[key] = self._own_pages(seq, cand)
+            borrow = offer.pages if offer is not None else 0
+            if offer is not None:  # the lease stays where it is: the plan must not take it
+                keep += tuple(c.id for c in offer.ckpts if c.id in planner.items)
             options.append(Resume(key, f, resume_work(seq.prompt_len, f, bool(ckpt is not None and ckpt.host_pages)),
-                                  seq.entitlement_pages - self._shared_pages(ckpt) - free, keep))
+                                  seq.entitlement_pages - self._shared_pages(ckpt) - free - borrow, keep))
         choice = choose_resume(planner, options)
         summary["planning_elapsed_ns"] = time.monotonic_ns() - (t_plan if t_plan is not None else now_ns)
         if choice is not None and choice.budget_exhausted:
@@ -343,10 +358,24 @@ class ContextCache:
                 self.counters["searches"]["maximal_fallback"] += 1
             self._apply(plan, entries, ckpts)
         resume = by_key[choice.resume.key]
-        if self.pages.num_free < seq.entitlement_pages - self._shared_pages(resume[0] if resume else None):
+        offer = offers.get(choice.resume.key)
+        borrow = offer.pages if offer is not None else 0
+        if self.pages.num_free < seq.entitlement_pages - self._shared_pages(resume[0] if resume else None) - borrow:
             return False
-        seq.cache_choice = {"resume": resume, "summary": summary}
+        seq.cache_choice = {"resume": resume, "summary": summary, "offer": offer}
         return True
+
+    def _own_pages(self, seq: Sequence, cand) -> Any:
+        """The own-pages offer (cache_lease) for resuming `cand`, when it leaves room for the prompt
+        and its first output token in the pages admission does reserve."""
+        if self.leases is None or not self.own_pages or cand is None:
+            return None
+        ckpt, owner, _ = cand
+        offer = self.leases.offer(self, ckpt, owner, self._shared_pages(ckpt))
+        if offer is None:
+            return None
+        offer.pages = min(offer.pages, seq.entitlement_pages - pages_for(seq.prompt_len + 1, self.page_size))
+        return offer if offer.pages > 0 else None
 
     def admit(self, seq: Sequence, now: float) -> None:
         """Give an admitted request its pages (shared prefix + fresh) and its reuse plan."""
@@ -374,7 +403,14 @@ class ContextCache:
                 plan.inherited = self._inherit(owner, ckpt)
         f = plan.frontier
         n_shared = self._shared_pages(ckpt)
-        fresh = self.pages.allocate(seq.entitlement_pages - n_shared)
+        want = seq.entitlement_pages - n_shared
+        offer = choice.get("offer") if choice is not None else None
+        debt = 0
+        if offer is not None and choice["resume"] is not None and ckpt is choice["resume"][0]:
+            debt = max(0, want - self.pages.num_free)  # covered by the lease (make_room checked)
+        fresh = self.pages.allocate(want - debt)
+        if debt:
+            self.leases.take(seq, offer, debt)
         seq.pages = (self.pages.share(ckpt.pages[:n_shared]) if n_shared else []) + fresh
         if ckpt is not None:
             ckpt.pins += 1  # materialize copies from it: it may not be demoted before then
@@ -485,8 +521,25 @@ class ContextCache:
                 tail = ckpt.frontier // self.page_size
                 if ckpt.frontier % self.page_size:
                     self.runner.copy_page(ckpt.pages[tail], seq.pages[tail])
+                    self._rehome_tail(seq, ckpt, tail)
+                    if self.leases is not None:
+                        self.leases.settle(seq)
             ckpt.pins -= 1
         plan.materialized = True
+
+    def _rehome_tail(self, seq: Sequence, ckpt: Checkpoint, tail: int) -> None:
+        """Point every checkpoint whose last page is `ckpt`'s tail page, and whose frontier does not
+        pass ckpt's, at the request's copy of that page: positions below their frontiers are the
+        same in both, so the original page is released to the request's lease (cache_lease)."""
+        old, new = ckpt.pages[tail], seq.pages[tail]
+        plan: ReusePlan = seq.cache_plan
+        seen: dict[int, Checkpoint] = {c.id: c for c in [ckpt] + [e.ckpt for e in plan.inherited]}
+        for _, e in self._all_entries():
+            seen.setdefault(e.ckpt.id, e.ckpt)
+        for c in seen.values():
+            if c.frontier <= ckpt.frontier and len(c.pages) == tail + 1 and c.pages[tail] == old:
+                c.pages[tail] = self.pages.share([new])[0]
+                self.pages.free([old])
 
     # -- capture ------------------------------------------------------------------------------------
     def splits_ahead(self, seq: Sequence) -> list[int]:
@@ -864,6 +917,8 @@ class ContextCache:
 
     def release(self, seq: Sequence) -> None:
         """Drop every hold a request took at admission (cancel, failure or after publishing)."""
+        if self.leases is not None:
+            self.leases.release(seq)
         plan: ReusePlan | None = getattr(seq, "cache_plan", None)
         if plan is None:
             return

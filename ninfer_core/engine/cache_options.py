@@ -52,6 +52,13 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-kv-gib", type=float, default=64, help="disk tier budget in GiB")
     g.add_argument("--disk-kv-restore", action="store_true",
                    help="seed a new request's matching prefix from the disk tier")
+    g.add_argument("--kv-lease-growth", action="store_true",
+                   help="admission reserves the prompt plus a 4096-token output window (or --prefill-chunk when "
+                        "larger) and grows it at decode boundaries, releasing idle retained owners least recently "
+                        "used first; an answer whose next page does not fit ends with finish_reason length")
+    g.add_argument("--reserve-continuation-pages", action="store_true",
+                   help="admission reserves the pages a resumed conversation holds beyond the resumed checkpoint "
+                        "instead of leasing them to the request (the behaviour before own-pages leases)")
 
 
 def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
@@ -85,5 +92,7 @@ def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
     eng.disk_kv_path = getattr(a, "disk_kv_path", None)
     eng.disk_kv_gib = float(getattr(a, "disk_kv_gib", 64))
     eng.disk_kv_restore = bool(getattr(a, "disk_kv_restore", False))
+    eng.kv_lease_growth = bool(getattr(a, "kv_lease_growth", False))
+    eng.reserve_continuation_pages = bool(getattr(a, "reserve_continuation_pages", False))
     artifact = getattr(a, "artifact", None)
     eng.disk_kv_model = os.path.basename(artifact) if artifact else "default"

@@ -23,6 +23,7 @@ from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
 from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
+from ninfer_core.engine.cache_lease import build_page_leases, lease_window_tokens
 from ninfer_core.engine.detok import OutputText
 from ninfer_core.engine.model_api import (
     PAGE_SIZE,
@@ -104,7 +105,10 @@ class Engine:
         self.scheduler = Scheduler(options.max_concurrency, pool, SlotPool(options.max_concurrency),
                                    cache=self.cache)
         self.budget = BudgetPolicy(options.max_context, options.max_concurrency, self.pool_pages,
-                                   self.page_size, options.default_max_tokens)
+                                   self.page_size, options.default_max_tokens,
+                                   lease_window_tokens(options) if options.kv_lease_growth else None)
+        # Pages a lane receives after admission (own-pages leases, --kv-lease-growth): grown at boundaries.
+        self.leases = build_page_leases(pool, self.cache, options)
         self.capacity = options.max_concurrency + options.max_pending_requests
         eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         eos.update(runner.info.eos_token_ids or ())
@@ -240,6 +244,19 @@ class Engine:
             self._cv.notify_all()
         return fut
 
+    def end_reasoning(self, request_id: str) -> "concurrent.futures.Future":
+        """End a request's thinking at the next boundary, as the thinking budget does (llama.cpp's
+        reasoning_end control): its close sequence is committed over the next decode rounds. The
+        future's result: True when the close was queued or the block is already closed, False when
+        the request has no close sequence, None when no live request has that id."""
+        def apply():
+            for seq in list(self.scheduler.lanes) + list(self.scheduler.waiting):
+                if seq.request_id == request_id and seq.thinking is not None:
+                    return seq.thinking.end_now()
+            return None
+
+        return self.run_control(apply)
+
     def _run_controls(self) -> None:
         self._flush()
         with self._cv:
@@ -369,6 +386,9 @@ class Engine:
                 for seq in admitted:
                     seq.t_admit = now
                     self.counters["prompt_tokens_total"] += seq.prompt_len
+            short = self.leases.grow(self.scheduler.lanes) if self.leases is not None else []
+        for seq in short:  # --kv-lease-growth: the pool could not give its next page
+            self._finish(seq, "length", "max_tokens", seq.output.finish())
         if ended or admitted:
             self._flush()
         for seq, event in ended:
@@ -450,6 +470,9 @@ class Engine:
                 if not last:
                     self.cache.after_chunk(seq, time.monotonic())
         if not last:
+            if seq.request.progress:  # llama.cpp return_progress
+                self._post(seq, EngineEvent("progress", progress={"total": seq.prompt_len, "cache": seq.cache_n,
+                                                                  "processed": seq.num_cached}))
             return
         seq.t_first = time.monotonic()
         if token is None:  # max_tokens == 0: prompt processing only

@@ -72,6 +72,17 @@ class ThinkingControl:
             return True
         return False
 
+    def end_now(self) -> bool:
+        """Queue the close at once, whatever the budget (llama.cpp's reasoning_end control); True
+        when it was queued or the block is already closed, False without a close sequence."""
+        if not self.inside or self.pending:
+            return True
+        if not self.close_ids:
+            return False
+        self.pending = list(self.close_ids)
+        self.early_close = True
+        return True
+
     def switch_sampler(self, sampler: SamplerState, force_greedy: bool) -> SamplerState:
         """The post-thinking sampler (counts and logit_bias carried over; an omitted seed continues the stream)."""
         params = self.post_thinking

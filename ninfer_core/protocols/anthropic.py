@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 import anyio
@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest
-from ninfer_core.protocols.anthropic_history import omitted_signature, visible_signature
+from ninfer_core.protocols.anthropic_context import apply_edits
+from ninfer_core.protocols.anthropic_history import lower_conversation, omitted_signature, visible_signature
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
 from ninfer_core.server.context import Ingress, ServerContext
@@ -62,13 +63,35 @@ class Prompt:
     ids: list[int]
     opens_reasoning: bool
     hints: Any = None  # CheckpointHints carrying the client's cache_control frontiers, when any
+    # With context_management: {"applied_edits": [...]} for the response, and the unedited
+    # prompt's token count for count_tokens' original_input_tokens.
+    context_management: dict | None = None
+    original_tokens: int | None = None
 
 
 def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
-    """Render the lowered conversation to ids; a prefill or a forced call opener continues it.
+    """Render the lowered conversation to ids, after the request's context edits; a prefill or a
+    forced call opener continues it.
 
     Host work: run it on a worker thread.
     """
+    if plan.context_edits is None:
+        return _render(ctx, plan)
+    source = plan.source or {}
+
+    def lowered(messages: list) -> MessagesPlan:
+        msgs, prefill = lower_conversation({**source, "messages": messages}, plan.thinking, plan.thinking_explicit)
+        return replace(plan, messages=msgs, prefill=prefill)
+
+    edited, applied, original = apply_edits(plan.context_edits, source.get("messages") or [],
+                                            lambda messages: len(_render(ctx, lowered(messages)).ids))
+    prompt = _render(ctx, lowered(edited) if applied else plan)
+    prompt.context_management = {"applied_edits": applied}
+    prompt.original_tokens = original if original is not None else len(prompt.ids)
+    return prompt
+
+
+def _render(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
     prepared = render_prompt_ids(ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs)
     ids = list(prepared.ids)
     tok = ctx.tokenizer
@@ -247,7 +270,10 @@ class AnthropicMessages:
             prompt = await anyio.to_thread.run_sync(prepare_prompt, ctx, plan)
         finally:
             counts.release()
-        return JSONResponse({"input_tokens": len(prompt.ids)})
+        body: dict[str, Any] = {"input_tokens": len(prompt.ids)}
+        if prompt.context_management is not None:
+            body["context_management"] = {"original_input_tokens": prompt.original_tokens}
+        return JSONResponse(body)
 
     async def handle(self, request: Request, ctx: ServerContext) -> Response:
         deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
@@ -344,9 +370,12 @@ class AnthropicMessages:
                 writer.feed(decoder.finish())
                 writer.close([])
                 reason, sequence = stop_reason(ev, writer.tool_calls > 0)
-                return {"id": mid, "type": "message", "role": "assistant", "model": plan.model,
-                        "content": writer.blocks, "stop_reason": reason, "stop_sequence": sequence,
-                        "usage": final_usage(ev, prompt)}
+                message = {"id": mid, "type": "message", "role": "assistant", "model": plan.model,
+                           "content": writer.blocks, "stop_reason": reason, "stop_sequence": sequence,
+                           "usage": final_usage(ev, prompt)}
+                if prompt.context_management is not None:
+                    message["context_management"] = prompt.context_management
+                return message
         raise _internal_error("The engine ended the request without finishing it.")
 
     async def _stream(self, ctx: ServerContext, engine_events: AsyncIterator[EngineEvent], plan: MessagesPlan,
@@ -391,9 +420,12 @@ class AnthropicMessages:
                         for obj in tail:
                             yield sse_event(obj)
                         reason, sequence = stop_reason(ev, writer.tool_calls > 0)
-                        yield sse_event({"type": "message_delta",
-                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                         "usage": final_usage(ev, prompt)})
+                        delta = {"type": "message_delta",
+                                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                 "usage": final_usage(ev, prompt)}
+                        if prompt.context_management is not None:
+                            delta["context_management"] = prompt.context_management
+                        yield sse_event(delta)
                         yield sse_event({"type": "message_stop"})
                         return
         except Exception as e:  # noqa: BLE001 - headers are sent: the failure travels as an error event

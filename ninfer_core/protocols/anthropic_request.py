@@ -23,6 +23,7 @@ from ninfer_core.protocols.anthropic_history import (
     opt_bool,
     wrong_type,
 )
+from ninfer_core.protocols.anthropic_context import ContextEdits, parse_context_management
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import collapse_effort
@@ -62,6 +63,11 @@ class MessagesPlan:
     sampling_request: dict[str, Any] = field(default_factory=dict)
     post_thinking: dict[str, Any] | None = None
     response_format: Any = None  # ninfer_core.structured ResponseFormat to enforce (--structured-output)
+    # context_management (anthropic_context): applied to `source` at render time, where the
+    # rendered prompt's token counts decide what the edits clear; `thinking_explicit` re-lowers it.
+    context_edits: ContextEdits | None = None
+    source: dict | None = None
+    thinking_explicit: bool = False
 
 
 # -- the request ----------------------------------------------------------------------------------
@@ -103,6 +109,9 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
                         display_omitted=omitted, thinking_budget=budget if thinking else None,
                         prefill=prefill, forced_tool=forced, parallel_tool_calls=parallel,
                         template_kwargs=kwargs)
+    plan.context_edits = parse_context_management(data)
+    if plan.context_edits is not None:
+        plan.source, plan.thinking_explicit = data, explicit
     if count_only:
         return plan
     plan.max_tokens = _max_tokens(data)
@@ -128,9 +137,6 @@ def _refuse_executors(data: dict) -> None:
     if data.get("mcp_servers"):
         raise bad_request("mcp_not_supported", "MCP servers are not supported: this server has no MCP "
                           "connector.", "mcp_servers")
-    if data.get("context_management") is not None:
-        raise bad_request("context_management_not_supported", "context_management is not supported: the "
-                          "server does not edit the conversation it is sent.", "context_management")
 
 
 def _graft(data: dict) -> None:

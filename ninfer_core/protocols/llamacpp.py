@@ -30,7 +30,6 @@ from ninfer_core.protocols.raw_prompt import (
     settings_dict,
 )
 from ninfer_core.protocols.raw_submit import (
-    LiveTimings,
     RawSubmission,
     cancelled_error,
     submit_raw,
@@ -44,6 +43,7 @@ from ninfer_core.server.errors import (
     parse_json_body,
     parse_off_loop,
 )
+from ninfer_core.server.progress import StreamTimings
 from ninfer_core.server.sse import (
     KEEPALIVE,
     ClientDisconnected,
@@ -152,7 +152,7 @@ class LlamaCompletion:
         logprobs = plan.n_probs or None
         if plan.raw.batch:
             return await self._batch(request, ctx, plan, logprobs)
-        sub = await submit_raw(request, ctx, plan.raw, logprobs)
+        sub = await submit_raw(request, ctx, plan.raw, logprobs, progress=plan.return_progress and plan.raw.stream)
         if plan.raw.stream:
             return EventStreamResponse(self._stream(ctx, plan, sub), on_disconnect=sub.handle.cancel,
                                        on_close=sub.release)
@@ -208,7 +208,7 @@ class LlamaCompletion:
         raise unfinished_error()
 
     async def _stream(self, ctx: ServerContext, plan: LlamaPlan, sub: RawSubmission) -> AsyncIterator[str]:
-        live = LiveTimings(len(sub.prompt_ids))
+        live = StreamTimings(len(sub.prompt_ids))
         ids: list[int] = []
         total = len(sub.prompt_ids)
         progress_done = False
@@ -220,10 +220,8 @@ class LlamaCompletion:
                 obj["timings"] = live.snapshot()
             return sse_data(select_fields(obj, plan.response_fields))
 
-        def progress(processed: int) -> str:
-            pp = {"total": total, "cache": live.cache_n, "processed": processed,
-                  "time_ms": int(live.prompt_ms()) if processed > live.cache_n else 0}
-            return chunk("", prompt_progress=pp)
+        def progress(final: bool = False) -> str:
+            return chunk("", prompt_progress=live.progress(final))
 
         try:
             async with aclosing(with_keepalive(sub.handle.events(), ctx.keepalive_s)) as events:
@@ -233,12 +231,15 @@ class LlamaCompletion:
                     elif ev.kind == "admitted":
                         live.admitted(ev.usage.cached_tokens if ev.usage else 0)
                         if plan.return_progress:
-                            yield progress(live.cache_n)
+                            yield progress()
+                    elif ev.kind == "progress":  # a prefill unit committed (server/progress.py)
+                        live.progressed((ev.progress or {}).get("processed", 0))
+                        if plan.return_progress:
+                            yield progress()
                     elif ev.kind == "delta":
                         if plan.return_progress and not progress_done:
                             progress_done = True
-                            live.tokens(0)
-                            yield progress(total)
+                            yield progress(final=True)
                         ids.extend(ev.token_ids)
                         live.tokens(len(ev.token_ids))
                         if plan.n_probs and ev.logprobs:
@@ -254,7 +255,7 @@ class LlamaCompletion:
                             yield ErrorFrame(sse_data(engine_error_body(cancelled_error())))
                             return
                         if plan.return_progress and not progress_done:
-                            yield progress(total)
+                            yield progress(final=True)
                         final = self._final(ctx, plan, sub, ev, "", ids)
                         yield sse_data(select_fields(final, plan.response_fields))
                         return

@@ -29,6 +29,7 @@ from ninfer_core.protocols.tokenize_routes import chat_input_tokens
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import engine_error_body, internal_error, parse_off_loop
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
+from ninfer_core.server.progress import StreamTimings
 from ninfer_core.server.prepare import (
     PreparedPrompt,
     ReasoningTokenCounter,
@@ -131,8 +132,9 @@ class ChatCompletions:
                                     deadline=deadline, logprobs=plan.logprobs,
                                     checkpoint_hints=prompt_hints(ctx, prompt.ids, plan.template_kwargs),
                                     constraint=make_constraint(ctx, compiled, prompt.opens_reasoning),
+                                    progress=plan.stream and plan.return_progress,
                                     **thinking_fields(ctx, prompt, plan.thinking_budget, plan.post_thinking,
-                                                      sampling))
+                                                      sampling, plan.reasoning_control))
             handle = ctx.engine.submit(gen)
         except BaseException:
             release()
@@ -145,8 +147,17 @@ class ChatCompletions:
             out.verbose = VerboseRecord(ctx, prompt.ids, generation_settings(
                 ctx, sampling, int(getattr(handle, "max_tokens", None) or 0), stop=plan.stop,
                 ignore_eos=plan.ignore_eos, stream=plan.stream, n_probs=plan.logprobs or 0))
+        live = ctx.live_completions
+        if live is not None and plan.stream:  # the target of POST /v1/chat/completions/control
+            live[cid] = (handle, plan.reasoning_control and prompt.opens_reasoning)
+            release = _also(release, lambda: live.pop(cid, None))
         if plan.stream:
             body = self._stream(ctx, handle, plan, out, cid, created, model_id)
+            conversation = request.headers.get("x-conversation-id")
+            if conversation and ctx.stream_sessions is not None:
+                # A resumable stream (llama-server's WebUI sessions): it outlives this connection.
+                session = ctx.stream_sessions.start(conversation, body, handle.cancel, release)
+                return EventStreamResponse(session.read(0), on_disconnect=lambda: None)
             return EventStreamResponse(body, on_disconnect=handle.cancel, on_close=release)
         try:
             result = await unless_disconnected(
@@ -203,25 +214,39 @@ class ChatCompletions:
         pending: list[dict] = []  # records whose text is not yet published (held back by the decoder)
         n_calls = 0
         enc = ChunkEncoder(cid, created, model_id, include_usage)
+        # llama.cpp's observations (server/progress.py): timings on every visible chunk, prompt_progress chunks
+        observed = StreamTimings(len(out.prompt.ids)) if (plan.timings_per_token or plan.return_progress) else None
+        per_token = plan.timings_per_token
+        progress_final = False
+
+        def timings() -> dict | None:
+            return observed.snapshot() if per_token else None
 
         def chunk(delta: dict, finish: str | None = None, records: list | None = None, **extra) -> str:
             lp = {"content": records, "refusal": None} if (want_logprobs and records is not None) else None
             return enc.chunk(delta, finish, lp, **extra)
 
+        def progress_chunk(final: bool = False) -> str:
+            extra = {"prompt_progress": observed.progress(final)}  # before the snapshot: final moves it
+            if per_token:
+                extra["timings"] = observed.snapshot()
+            return chunk({"role": "assistant", "content": None}, **extra)
+
         def chunks(events: list[OutputEvent], result: list[str]) -> None:
             nonlocal pending, n_calls
             for e in events:
                 if e.kind == "reasoning":
-                    result.append(enc.text_delta("reasoning_content", e.text, None))
+                    result.append(enc.text_delta("reasoning_content", e.text, None, timings()))
                 elif e.kind == "content":
                     records, pending = pending, []
                     lp = {"content": records, "refusal": None} if want_logprobs else None
-                    result.append(enc.text_delta("content", e.text, lp))
+                    result.append(enc.text_delta("content", e.text, lp, timings()))
                 else:
                     records, pending = pending, []
                     entry = {"index": n_calls, **out.call_json(e.tool_call)}
                     n_calls += 1
-                    result.append(chunk({"tool_calls": [entry]}, records=records if records else None))
+                    extra = {"timings": observed.snapshot()} if per_token else {}
+                    result.append(chunk({"tool_calls": [entry]}, records=records if records else None, **extra))
 
         # the role chunk's content is null, as OpenAI's and llama-server's
         yield chunk({"role": "assistant", "content": None})
@@ -234,6 +259,20 @@ class ChatCompletions:
                         yield KEEPALIVE
                         continue
                     for ev in batch:
+                        if observed is not None and ev.kind in ("admitted", "progress"):
+                            if ev.kind == "admitted":
+                                observed.admitted(ev.usage.cached_tokens if ev.usage else 0)
+                            else:
+                                observed.progressed((ev.progress or {}).get("processed", 0))
+                            if plan.return_progress:
+                                parts.append(progress_chunk())
+                            continue
+                        if observed is not None and ev.kind in ("delta", "finish") and not progress_final:
+                            progress_final = True  # the prompt is done: its last event precedes any output
+                            if plan.return_progress:
+                                parts.append(progress_chunk(final=True))
+                        if observed is not None and ev.kind == "delta":
+                            observed.tokens(len(ev.token_ids))
                         if ev.kind == "delta":
                             out.counter.feed(ev.token_ids)
                             if out.verbose is not None:
@@ -254,7 +293,7 @@ class ChatCompletions:
                             out.log_parse()
                             finish = "tool_calls" if out.decoder.tool_calls else ev.finish_reason
                             records = pending if pending else None
-                            timings = ev.timings or {}
+                            final_timings = ev.timings or {}
                             # llama-server puts __verbose on the first chunk of the final group
                             verbose = {"__verbose": out.verbose.final(ev, streamed=True)} if out.verbose else {}
                             if include_usage:
@@ -265,9 +304,9 @@ class ChatCompletions:
                                 parts.append(sse_data({"id": cid, "object": "chat.completion.chunk",
                                                        "created": created, "model": model_id, "choices": choices,
                                                        "usage": usage_dict(ev, out.counter.count),
-                                                       "timings": timings, **retained_session(ev)}))
+                                                       "timings": final_timings, **retained_session(ev)}))
                             else:
-                                parts.append(chunk({}, finish, records=records, timings=timings,
+                                parts.append(chunk({}, finish, records=records, timings=final_timings,
                                                    **retained_session(ev), **verbose))
                             parts.append(DONE)
                             yield "".join(parts)
@@ -281,6 +320,17 @@ class ChatCompletions:
             return
         yield sse_data(engine_error_body(EngineError(
             500, "internal_error", "The engine ended the request without finishing it.", type_="server_error")))
+
+
+def _also(first, then):
+    """A callable running `first` then `then` (both once-safe callbacks)."""
+    def both() -> None:
+        try:
+            first()
+        finally:
+            then()
+
+    return both
 
 
 class ChunkEncoder:
@@ -302,10 +352,12 @@ class ChunkEncoder:
         obj.update(extra)
         return sse_data(obj)
 
-    def text_delta(self, key: str, text: str, lp: dict | None) -> str:
-        """== chunk({key: text}, None, lp); `key` is a plain identifier."""
+    def text_delta(self, key: str, text: str, lp: dict | None, timings: dict | None = None) -> str:
+        """== chunk({key: text}, None, lp, timings=timings) (no timings key when None); `key` is a
+        plain identifier."""
+        tail = self._tail if timings is None else f'{self._tail[:-3]},"timings":{json_text(timings)}}}\n\n'
         return (f'{self._head}"{key}":{json_text(text)}}},"logprobs":'
-                f'{"null" if lp is None else json_text(lp)}{self._tail}')
+                f'{"null" if lp is None else json_text(lp)}{tail}')
 
 
 class _Output:

@@ -60,6 +60,11 @@ class ChatPlan:
     effort_requested: str | None = None  # what the client named (logs)
     verbose: bool = False  # llama.cpp's __verbose: the /completion-shaped object beside the response
     response_format: ResponseFormat | None = None  # a JSON format to enforce (--structured-output)
+    # llama.cpp stream extensions (the WebUI sends all three): live timings on every visible chunk,
+    # prompt_progress chunks, and arming the reasoning_end control (POST .../control)
+    timings_per_token: bool = False
+    return_progress: bool = False
+    reasoning_control: bool = False
 
 
 def validate_body(raw: bytes, ctx: ServerContext) -> "ChatPlan":
@@ -67,7 +72,13 @@ def validate_body(raw: bytes, ctx: ServerContext) -> "ChatPlan":
     data = parse_json_body(raw)
     if not isinstance(data, dict):
         raise bad_request("invalid_type", "The request body must be a JSON object.", None)
-    return check_request(ChatCompletionRequest.model_validate(data), ctx)
+    plan = check_request(ChatCompletionRequest.model_validate(data), ctx)
+    for name in ("timings_per_token", "return_progress", "reasoning_control"):
+        value = data.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("invalid_type", f"'{name}' must be a boolean.", name)
+        setattr(plan, name, bool(value))
+    return plan
 
 
 def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:

@@ -39,12 +39,12 @@ from ninfer_core.protocols.raw_prompt import (
     settings_dict,
 )
 from ninfer_core.protocols.raw_submit import (
-    LiveTimings,
     RawSubmission,
     cancelled_error,
     submit_raw,
     unfinished_error,
 )
+from ninfer_core.server.progress import StreamTimings
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import (
     bad_request,
@@ -286,7 +286,7 @@ class Completions:
         chunk and [DONE] are the batch's, written after every prompt's chunks."""
         model_id = ctx.model.id
         lp = LegacyLogprobs(ctx.tokenizer) if plan.logprobs else None
-        live = LiveTimings(len(sub.prompt_ids)) if plan.raw.timings_per_token else None
+        live = StreamTimings(len(sub.prompt_ids)) if plan.raw.timings_per_token else None
         n_out = 0
 
         def chunk(text: str, finish: str | None = None, logprobs: dict | None = None, **extra: Any) -> str:

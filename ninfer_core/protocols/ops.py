@@ -70,7 +70,7 @@ def props(ctx: ServerContext) -> dict[str, Any]:
         "modalities": {"vision": ctx.model.vision, "audio": False},
         "build_info": f"ninfer {build_string()}",
         "endpoint_slots": not ctx.options.no_slots, "endpoint_props": True, "endpoint_metrics": True,
-        "cors_proxy_enabled": False,
+        "cors_proxy_enabled": bool(getattr(ctx.options, "webui_mcp_proxy", False)),
     }
 
 

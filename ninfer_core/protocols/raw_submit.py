@@ -1,7 +1,7 @@
 """Submitting a raw-prompt request and observing it: shared by /completion and /v1/completions.
 
-`submit_raw` holds an ingress unit, tokenizes on a worker thread and submits; `LiveTimings`
-measures llama.cpp's cumulative timings on the HTTP side for timings_per_token chunks.
+`submit_raw` holds an ingress unit, tokenizes on a worker thread and submits (the live timings of
+timings_per_token chunks are ninfer_core.server.progress.StreamTimings).
 """
 
 from __future__ import annotations
@@ -36,25 +36,27 @@ class RawSubmission:
     index: int = 0  # the prompt's place in the request (llama.cpp's result `index`)
 
 
-async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: int | None = None
-                     ) -> RawSubmission:
+async def submit_raw(request: Any, ctx: ServerContext, plan: RawPlan, logprobs: int | None = None,
+                     progress: bool = False) -> RawSubmission:
     """The one prompt of `plan`: hold an ingress unit, tokenize on a worker thread, submit; the
     caller must `release()`. A batch goes through raw_batch.RawBatch instead.
 
-    `logprobs` (k) asks the engine for each generated token's log probability and k alternatives."""
+    `logprobs` (k) asks the engine for each generated token's log probability and k alternatives;
+    `progress` for its prefill progress events (return_progress)."""
     deadline = time.monotonic() + ctx.options.engine.pending_timeout_ms / 1000.0
     release = ctx.ingress.acquire()
     try:
         compiled = await anyio.to_thread.run_sync(compile_request, ctx, plan.response_format)  # structured output
         ids = (await anyio.to_thread.run_sync(tokenize_prompts, ctx, plan.prompts[:1]))[0]
-        return submit_prompt(request, ctx, plan, ids, 0, logprobs, deadline, release, compiled)
+        return submit_prompt(request, ctx, plan, ids, 0, logprobs, deadline, release, compiled, progress)
     except BaseException:
         release()
         raise
 
 
 def submit_prompt(request: Any, ctx: ServerContext, plan: RawPlan, ids: list[int], index: int,
-                  logprobs: int | None, deadline: float, release: Any = None, compiled: Any = None) -> RawSubmission:
+                  logprobs: int | None, deadline: float, release: Any = None, compiled: Any = None,
+                  progress: bool = False) -> RawSubmission:
     """Submit prompt `index` of `plan` (its ids already checked); on the event loop. `compiled`: the
     request's structured-output format (each prompt gets a constraint of its own)."""
     sampling = raw_sampling(ctx, plan)
@@ -68,7 +70,8 @@ def submit_prompt(request: Any, ctx: ServerContext, plan: RawPlan, ids: list[int
     gen = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=max_tokens, stop=plan.stop,
                             ignore_eos=plan.ignore_eos, request_id=request_id, deadline=deadline,
                             checkpoint_hints=raw_hints(len(ids)), logprobs=logprobs,
-                            cache_prompt=plan.cache_prompt, constraint=make_constraint(ctx, compiled))
+                            cache_prompt=plan.cache_prompt, constraint=make_constraint(ctx, compiled),
+                            progress=progress)
     try:
         handle = ctx.engine.submit(gen)
     except EngineError as e:
@@ -91,61 +94,6 @@ def raw_hints(prompt_tokens: int) -> CheckpointHints:
     if prompt_tokens >= RAW_CHECKPOINT_MIN:
         return CheckpointHints(turn_closure=prompt_tokens - 1)
     return CheckpointHints()
-
-
-class LiveTimings:
-    """Cumulative llama.cpp timings observed on the HTTP side, for timings_per_token chunks.
-
-    The engine publishes exact timings only on the finish event; between events this snapshot is
-    measured from their arrival: prompt time from admission to the first output delta, generation
-    time from there to the latest delta.
-    """
-
-    def __init__(self, prompt_tokens: int):
-        self._now = time.monotonic
-        self.prompt_n = prompt_tokens
-        self.cache_n = 0
-        self.t_admit: float | None = None
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.predicted_n = 0
-
-    def admitted(self, cached: int = 0) -> None:
-        self.t_admit = self._now()
-        self.cache_n = cached
-
-    def tokens(self, n: int) -> None:
-        now = self._now()
-        if self.t_admit is None:
-            self.t_admit = now
-        if self.t_first is None and n:
-            self.t_first = now
-        self.t_last = now
-        self.predicted_n += n
-
-    def prompt_ms(self) -> float:
-        if self.t_admit is None:
-            return 0.0
-        return ((self.t_first or self._now()) - self.t_admit) * 1000.0
-
-    def snapshot(self) -> dict:
-        prompt_n = max(self.prompt_n - self.cache_n, 0)
-        prompt_ms = self.prompt_ms()
-        predicted_ms = ((self.t_last - self.t_first) * 1000.0) if self.t_first is not None else 0.0
-        intervals = max(self.predicted_n - 1, 0)
-
-        def rate(n: int, ms: float) -> float:
-            return n * 1000.0 / ms if n and ms > 0 else 0.0
-
-        def per_token(ms: float, n: int) -> float:
-            return ms / n if n and ms > 0 else 0.0
-
-        return {"cache_n": self.cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
-                "prompt_per_second": rate(prompt_n, prompt_ms),
-                "predicted_n": self.predicted_n, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": per_token(predicted_ms, intervals),
-                "predicted_per_second": rate(intervals, predicted_ms)}
 
 
 def cancelled_error() -> EngineError:

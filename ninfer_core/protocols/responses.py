@@ -75,6 +75,19 @@ class Prepared:
     hints: Any = None  # CheckpointHints with the client's prompt_cache_breakpoint markers, when any
 
 
+DROPPED_TOOLS_HEADER = "x-ninfer-dropped-tools"
+# The engine names Chat Completions' fields in its admission errors; a Responses caller sent these.
+_RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+def responses_param(err: EngineError) -> EngineError:
+    """`err` with its param (and the quoted name in its message) in the Responses field names."""
+    param = _RESPONSES_PARAM.get(err.param or "")
+    if param is None:
+        return err
+    return EngineError(err.status, err.code, err.message, param, err.type)
+
+
 def _not_found(response_id: str) -> EngineError:
     return EngineError(404, "response_not_found", f"No stored Response has the id {show(response_id)}; it was never "
                        "stored (store: false), was deleted or evicted, or the server restarted.", param="response_id")
@@ -312,9 +325,16 @@ class Responses:
                                     constraint=make_constraint(ctx, compiled, prep.opens_reasoning),
                                     **thinking_fields(ctx, prep, plan.thinking_budget, plan.post_thinking, sampling))
             handle = ctx.engine.submit(gen)
+        except EngineError as e:
+            release()
+            raise responses_param(e) from None
         except BaseException:
             release()
             raise
+        headers = {}
+        if plan.dropped_tools:
+            headers[DROPPED_TOOLS_HEADER] = ", ".join(plan.dropped_tools)
+            log.info("responses %s: dropped hosted tools %s (--drop-hosted-tools)", rid, headers[DROPPED_TOOLS_HEADER])
 
         ts = plan.tools
         response = {
@@ -339,7 +359,7 @@ class Responses:
         counter = ReasoningTokenCounter(ctx.tokenizer, prep.opens_reasoning)
         run = _Run(ctx, store, plan, prep, builder, decoder, counter, handle, channel)
         if plan.stream:
-            return EventStreamResponse(run.stream(), on_disconnect=handle.cancel, on_close=release)
+            return EventStreamResponse(run.stream(), on_disconnect=handle.cancel, on_close=release, headers=headers)
         try:
             result = await unless_disconnected(request, run.aggregate(), handle.cancel)
         except ClientDisconnected:
@@ -347,7 +367,7 @@ class Responses:
             return Response(status_code=499)
         finally:
             release()
-        return JSONResponse(result)
+        return JSONResponse(result, headers=headers)
 
 
 class _Run:

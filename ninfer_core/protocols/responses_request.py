@@ -14,7 +14,7 @@ from typing import Any
 
 from ninfer_core.engine.api import EngineError
 from ninfer_core.protocols.responses_items import show
-from ninfer_core.protocols.responses_tools import ToolSet, parse_tools
+from ninfer_core.protocols.responses_tools import ToolSet, drop_hosted_tools, parse_tools
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.structured.formats import ResponseFormat, admit, responses_text_format
@@ -72,6 +72,7 @@ class CreatePlan:
     encrypted_reasoning: bool
     echo: dict[str, Any] = field(default_factory=dict)  # hints echoed in the Response object
     response_format: ResponseFormat | None = None  # text.format to enforce (--structured-output)
+    dropped_tools: list[str] = field(default_factory=list)  # hosted tool types --drop-hosted-tools removed
 
 
 def load_body(raw: bytes) -> dict:
@@ -347,7 +348,10 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
     response_format = None
     if not count_only and isinstance(data.get("text"), dict):
         response_format = admit(responses_text_format(data["text"].get("format")), ctx.options)
-    tools = parse_tools(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+    raw_tools, dropped = data.get("tools"), []
+    if getattr(ctx.options, "drop_hosted_tools", False):
+        raw_tools, dropped = drop_hosted_tools(raw_tools)
+    tools = parse_tools(raw_tools, data.get("tool_choice"), data.get("parallel_tool_calls"))
     max_tool_calls = _int(data, "max_tool_calls", 0)
     trunc = data.get("truncation")
     if trunc is not None and trunc != "disabled":
@@ -398,7 +402,7 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
         post_thinking=post_thinking,
         text=text, tools=tools, max_tool_calls=max_tool_calls, top_logprobs=top_logprobs, logprobs=logprobs,
         include=include, encrypted_reasoning="reasoning.encrypted_content" in include, echo=echo,
-        response_format=response_format)
+        response_format=response_format, dropped_tools=dropped)
 
 
 def resolve_thinking(plan: CreatePlan, ctx: ServerContext, preserve: bool | None) -> tuple[bool, dict[str, Any]]:

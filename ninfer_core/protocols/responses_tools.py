@@ -17,6 +17,11 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,128}\Z")
 _HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
            "file_search", "code_interpreter", "computer_use_preview", "computer", "image_generation",
            "local_shell", "shell", "apply_patch", "tool_search")
+# --drop-hosted-tools removes these (and their dated variants) from a request's tools: the hosted
+# tools a client such as Codex offers by default, which no local server can execute.
+DROPPABLE_HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+                    "file_search", "code_interpreter", "image_generation", "computer_use_preview", "computer",
+                    "mcp", "local_shell")
 _FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "output_schema",
                   "allowed_callers"}
 
@@ -93,6 +98,20 @@ def _unsupported_tool(kind: Any, param: str) -> Exception:
         return bad_request("missing_required_parameter", f"Missing required parameter: '{param}.type'.",
                            f"{param}.type")
     return bad_request("invalid_value", f"unknown tool type {show(kind)} at '{param}.type'.", f"{param}.type")
+
+
+def drop_hosted_tools(tools: Any) -> tuple[Any, list[str]]:
+    """(the tools without the droppable hosted ones, the types dropped in order); anything that is
+    not a list of tool objects is returned as it is for parse_tools to refuse."""
+    if not isinstance(tools, list):
+        return tools, []
+    kept, dropped = [], []
+    for t in tools:
+        if isinstance(t, dict) and t.get("type") in DROPPABLE_HOSTED:
+            dropped.append(t["type"])
+        else:
+            kept.append(t)
+    return kept, dropped
 
 
 def parse_tools(tools: Any, tool_choice: Any, parallel: Any) -> ToolSet:

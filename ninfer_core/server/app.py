@@ -29,6 +29,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     app.state.routes = mount_protocols(app, ctx)
+    from ninfer_core.server.webui import install as install_webui
+
+    install_webui(app, ctx)  # last: its catch-all takes only what no protocol route does
     if ctx.request_log is not None:  # inside ServerMiddleware: sees the undoubled path, authorized requests
         from ninfer_core.server.request_log import RequestLogMiddleware
 

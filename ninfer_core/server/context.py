@@ -90,6 +90,12 @@ class ServerContext:
     requests_rejected: int = 0  # generation requests refused in preparation (ninfer:requests_rejected_total)
     request_log: Any = None  # ninfer_core.server.request_log.RequestLog with --request-log-jsonl
     structured: Any = None  # ninfer_core.structured.compiler.StructuredOutput with --structured-output
+    # The WebUI's server side (ninfer_core.protocols.webui mounts them): streamed Chat Completions
+    # by id (for the reasoning_end control), the resumable stream sessions (X-Conversation-Id), and
+    # the static WebUI (ninfer_core.server.webui.WebUI) when one is served.
+    live_completions: dict | None = None
+    stream_sessions: Any = None
+    webui: Any = None
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:

@@ -112,7 +112,8 @@ class ServerMiddleware:
             if preflight and self.ctx.options.cors:
                 await _preflight(headers)(scope, receive, send_wrapper)
                 return
-            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] in ("/health", "/v1/health"))
+            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] in ("/health", "/v1/health")) or \
+                self._keyless(scope)
             if self._key is not None and not exempt and not self._authorized(headers):
                 resp = shaped_error_response(
                     scope, 401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>' or "
@@ -148,6 +149,13 @@ class ServerMiddleware:
         if host is not None and parts.netloc == host:
             return True
         return "localhost" in allowed and (parts.hostname or "") in LOCAL_HOSTS
+    def _keyless(self, scope: Scope) -> bool:
+        """The WebUI's static files, and the --webui-mcp-proxy relay (which carries the WebUI's own
+        Authorization for its target), need no API key (spec "WebUI")."""
+        if scope["path"] == "/cors-proxy":
+            return self.ctx.options.webui_mcp_proxy
+        webui = self.ctx.webui
+        return webui is not None and webui.is_static(scope)
 
     def _authorized(self, headers: Headers) -> bool:
         candidates = []

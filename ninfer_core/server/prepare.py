@@ -264,10 +264,12 @@ def budget_close_ids(ctx: ServerContext) -> list[int]:
 
 
 def thinking_fields(ctx: ServerContext, prompt: "PreparedPrompt", budget: int | None,
-                    post_thinking: dict | None, sampling: SamplingParams) -> dict[str, Any]:
+                    post_thinking: dict | None, sampling: SamplingParams,
+                    reasoning_control: bool = False) -> dict[str, Any]:
     """GenerationRequest fields for thinking: budget (request, else --default-thinking-budget) and
-    the post-thinking sampler (request object, else the --post-thinking flags). Nothing for a
-    request that does not think."""
+    the post-thinking sampler (request object, else the --post-thinking flags); `reasoning_control`
+    gives the request the budget's close sequence so Engine.end_reasoning can end it early.
+    Nothing for a request that does not think."""
     if not prompt.opens_reasoning:
         return {}
     _, close = think_ids(ctx.tokenizer)
@@ -278,6 +280,7 @@ def thinking_fields(ctx: ServerContext, prompt: "PreparedPrompt", budget: int | 
     budget = budget if budget is not None else opts.default_thinking_budget
     if budget is not None:
         fields["thinking_budget"] = budget
+    if budget is not None or reasoning_control:
         fields["budget_close_ids"] = budget_close_ids(ctx)
     if post_thinking is not None or opts.post_thinking:
         fields["post_thinking"] = post_thinking_sampling(ctx, post_thinking or {}, sampling)

@@ -280,6 +280,13 @@ def run_serve(args, host: PluginHost | None = None) -> int:
         log.warning("the artifact has no chat template: chat requests will fail (use --chat-template NAME|FILE)")
 
     ctx = ServerContext(options=options, plugins=host)
+    from ninfer_core.server.webui import WebUI, WebUIError, resolve_webui_dir
+
+    try:
+        webui_root = resolve_webui_dir(options.webui_dir, options.no_webui)
+    except WebUIError as e:
+        return _fail(str(e))
+    ctx.webui = WebUI(webui_root) if webui_root is not None else None
     if options.request_log_jsonl:
         from ninfer_core.server.request_log import RequestLog, RequestLogError, check_log_path
 
@@ -312,6 +319,8 @@ def run_serve(args, host: PluginHost | None = None) -> int:
     base = announce(hosts[0], port)
     log.info("ninfer %s", build_string())
     log.info("listening on %s (API base %s/v1)", " and ".join(announce(h, port) for h in hosts), base)
+    if ctx.webui is not None:
+        log.info("WebUI on %s/ (from %s)", base, ctx.webui.root)
     if stats_socks:
         stats_port = stats_socks[0].getsockname()[1]
         log.info("stats listening on %s (GET /health, /stats, /v1/load, /metrics)",
