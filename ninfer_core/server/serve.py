@@ -277,7 +277,17 @@ def run_serve(args, host: PluginHost | None = None) -> int:
     except TemplateError as e:
         return _fail(str(e))
     if template is None:
-        log.warning("the artifact has no chat template: chat requests will fail (use --chat-template NAME|FILE)")
+        from ninfer_core.tokenizer.builtin_templates import family_chat_template
+
+        target = family_reg.load()
+        found = family_chat_template(target() if isinstance(target, type) else target, artifact.architecture)
+        if found is not None:
+            template = ChatTemplate(found[0])
+            log.warning("the artifact has no chat template: using %s (--chat-template NAME|FILE picks another)",
+                        found[1])
+        else:
+            log.warning("the artifact has no chat template: chat requests will be refused with 400 "
+                        "no_chat_template (use --chat-template NAME|FILE)")
 
     ctx = ServerContext(options=options, plugins=host)
     if options.request_log_jsonl:
