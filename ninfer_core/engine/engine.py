@@ -123,6 +123,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._order = itertools.count()
         self.counters = dict.fromkeys(COUNTERS + UNIT_COUNTERS, 0)
+        self._n_tokens_max = 0  # longest sequence (prompt + output) an ended request reached (/metrics)
         self._controls: list = []  # (fn, concurrent.futures.Future) run by the worker at a boundary
         # Events the worker produced, delivered together by `_flush` (one wakeup of each event loop
         # per decode round instead of one per token). Worker thread only. A runner whose forwards
@@ -224,6 +225,9 @@ class Engine:
                 "kv_bytes": self.kv_bytes,
                 "state_bytes": self.state_bytes,
                 "counters": dict(self.counters),
+                # llama.cpp's n_tokens_max, and the pages running requests hold (the gateway's KV usage)
+                "n_tokens_max": max([self._n_tokens_max] + [_lane_tokens(q) for q in s.lanes]),
+                "pages_in_lanes": len({p for q in s.lanes for p in q.pages}),
                 "context_cache": self.cache.snapshot() if self.cache is not None else None,
                 "speculative": self.rounds.describe(),
             }
@@ -524,6 +528,8 @@ class Engine:
     # -- ending requests ------------------------------------------------------------------------
     def _end_locked(self, seq: Sequence, counter: str) -> None:
         seq.spec_facts = self.rounds.facts(seq)  # before the backend forgets the request
+        if seq.status in (SeqStatus.PREFILL, SeqStatus.DECODE):  # it held a lane
+            self._n_tokens_max = max(self._n_tokens_max, _lane_tokens(seq))
         self.rounds.released(seq)
         self.scheduler.release(seq)
         self._outstanding -= 1
@@ -613,6 +619,11 @@ class Engine:
             self._cancelled.clear()
         for seq in seqs:
             self._fail(seq, err)
+
+
+def _lane_tokens(seq: Sequence) -> int:
+    """Tokens a lane's sequence holds: the prompt processed so far, then prompt and output."""
+    return max(seq.num_cached, seq.prompt_len + len(seq.output_ids) if seq.output_ids else 0)
 
 
 def _log_probs_of(logits, token_ids: list[int]) -> list[float]:
