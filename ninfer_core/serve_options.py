@@ -91,6 +91,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep closed-turn assistant reasoning in the prompt by default")
     g.add_argument("--usage-chunk-choice", action="store_true",
                    help="the streamed usage chunk carries a zero-delta choice (strict client parsers)")
+    g.add_argument("--response-store-max-records", type=_positive(0), default=1024, metavar="N",
+                   help="most Responses kept for retrieval and previous_response_id (LRU)")
+    g.add_argument("--response-store-max-mib", type=_positive(0), default=256, metavar="N",
+                   help="total size of the stored Responses in MiB (LRU)")
     g.add_argument("--lenient-assistant-history", action="store_true",
                    help="Responses: assistant content or reasoning after function_call Items joins that turn")
     g.add_argument("--plugin", action="append", default=[], metavar="NAME",
