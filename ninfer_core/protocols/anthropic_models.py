@@ -44,7 +44,7 @@ class _Wire(BaseModel):
 class CountThinkingConfig(_Wire):
     type: Literal["enabled", "disabled", "adaptive"]
     # checked by anthropic_request: at least 1024, and required with enabled
-    budget_tokens: Annotated[Any, WithJsonSchema({"type": "integer", "minimum": 1024})] = None
+    budget_tokens: Annotated[Any, WithJsonSchema({"type": ["integer", "null"], "minimum": 1024})] = None
     display: Annotated[Any, WithJsonSchema({"type": ["string", "null"], "enum": ["summarized", "omitted", None]})] \
         = None  # output-only: not read by a token count
 

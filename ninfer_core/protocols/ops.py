@@ -193,8 +193,9 @@ def mount_status_routes(router: APIRouter, ctx: ServerContext) -> None:
         return Response(metrics.render(), media_type=metrics.content_type, headers=metrics.headers())
 
     # HEAD too: probes (and curl -I) ask without a body
-    router.add_api_route("/health", health, methods=["GET", "HEAD"])
-    router.add_api_route("/v1/health", health, methods=["GET", "HEAD"])  # llama-server's second spelling
+    for path in ("/health", "/v1/health"):  # /v1/health: llama-server's second spelling
+        router.add_api_route(path, health, methods=["GET"])
+        router.add_api_route(path, health, methods=["HEAD"])
     router.add_api_route("/v1/load", get_load, methods=["GET"])
     router.add_api_route("/metrics", get_metrics, methods=["GET"])
     router.add_api_route("/stats", get_stats, methods=["GET"])

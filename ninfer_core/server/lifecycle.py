@@ -46,7 +46,19 @@ class StopControl:
         self._timer: threading.Timer | None = None
 
     def on_stop(self, fn: Callable[[], None]) -> None:
-        self._stoppers.append(fn)
+        """Run `fn` when the server stops (at once when it already is stopping)."""
+        with self._lock:
+            self._stoppers.append(fn)
+            now = self.stopping.is_set()
+        if now:
+            fn()
+
+    def install(self) -> None:
+        """Route SIGINT/SIGTERM/SIGHUP here from the start of startup (before uvicorn runs), so a
+        Ctrl+C while loading stops cleanly instead of raising KeyboardInterrupt somewhere."""
+        if threading.current_thread() is threading.main_thread():
+            for s in _signals():
+                signal.signal(s, lambda sig, frame: self.handle(sig))
 
     def handle(self, sig: int) -> None:
         if sig != signal.SIGINT:
@@ -97,11 +109,22 @@ class StopControl:
                 return
             self.stopping.set()
         log.info("stopping (%s)", why)
-        for fn in self._stoppers:
+        with self._lock:
+            stoppers = list(self._stoppers)
+        for fn in stoppers:
             try:
                 fn()
             except Exception:
                 log.exception("while stopping")
+
+
+def _signals() -> list[int]:
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP"):
+        sigs.append(signal.SIGHUP)
+    if sys.platform == "win32" and hasattr(signal, "SIGBREAK"):
+        sigs.append(signal.SIGBREAK)
+    return sigs
 
 
 def make_server(config: Any, control: StopControl):
@@ -114,12 +137,7 @@ def make_server(config: Any, control: StopControl):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            sigs = [signal.SIGINT, signal.SIGTERM]
-            if hasattr(signal, "SIGHUP"):
-                sigs.append(signal.SIGHUP)
-            if sys.platform == "win32" and hasattr(signal, "SIGBREAK"):
-                sigs.append(signal.SIGBREAK)
-            previous = {s: signal.signal(s, lambda sig, frame: control.handle(sig)) for s in sigs}
+            previous = {s: signal.signal(s, lambda sig, frame: control.handle(sig)) for s in _signals()}
             try:
                 yield
             finally:

@@ -59,8 +59,12 @@ def run_serve(args, host: PluginHost | None = None) -> int:
     except ValueError as e:  # a refused option combination (e.g. --no-prefix-reuse with a capacity)
         return _fail(str(e))
     from ninfer_core.server.console import Console
+    from ninfer_core.server.lifecycle import StopControl
 
     console = Console(options.log_level, options.log_colours, options.log_stats_panel)
+    started: dict = {}  # the ServerContext once there is one (readiness decides what Ctrl+C does)
+    control = StopControl(lambda: started.get("ctx") is not None and started["ctx"].ready, console)
+    control.install()
     host = host or PluginHost(PluginSelection.from_sources(args.plugin))
     try:
         host.load()
@@ -126,6 +130,7 @@ def run_serve(args, host: PluginHost | None = None) -> int:
                         "no_chat_template (use --chat-template NAME|FILE)")
 
     ctx = ServerContext(options=options, plugins=host)
+    started["ctx"] = ctx
     if options.request_log_jsonl:
         from ninfer_core.server.request_log import RequestLog, RequestLogError, check_log_path
 
@@ -165,14 +170,14 @@ def run_serve(args, host: PluginHost | None = None) -> int:
     log.info("loading %s (%s) from %s", public_model_id(options, artifact), artifact.architecture, path)
 
     return _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec_reg, console, socks,
-                                stats_socks)
+                                stats_socks, control)
 
 
 def _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec_reg, console, socks,
-                         stats_socks) -> int:
+                         stats_socks, control) -> int:
     import uvicorn
 
-    from ninfer_core.server.lifecycle import StopControl, make_server
+    from ninfer_core.server.lifecycle import make_server
 
     level = options.log_level if options.log_level in ("debug", "info", "warning", "error", "critical") else (
         "debug" if options.log_level == "trace" else "critical")
@@ -181,7 +186,6 @@ def _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec
     config = uvicorn.Config(app, log_level=uv_level, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
                             timeout_keep_alive=30)
     loader = Loader(ctx, artifact, family_reg, template, spec_reg, console=console)
-    control = StopControl(lambda: ctx.ready, console)
     shutdown_done = threading.Event()
     shutdown_lock = threading.Lock()
 

@@ -1,4 +1,4 @@
-"""A test-only plugin (`--plugin tests.fault_plugin`) that injects Engine worker failures into a real
+"""A test-only plugin (`--plugin ninfer_faults.plugin` with tests/ on PYTHONPATH) that injects Engine worker failures into a real
 server, so the end-to-end tests can see recovery, the failure latch and exit status 2.
 
 Importing it wraps the scheduler's pick_prefill: when a lane's request has the stop string
