@@ -184,21 +184,20 @@ class StatsPanel:
         self.live.start()
 
     def _render(self):
-        from rich.table import Table
+        from rich.console import Group
+        from rich.text import Text
 
-        table = Table(show_header=False, box=None, pad_edge=False, expand=False)
-        t = self._totals
-        up = time.monotonic() - self._t0
-        table.add_row("[bold]ninfer[/bold]", f"up {up:.0f} s",
-                      f"prefill {t.get('computed_prefill_tokens', 0):.0f} tok",
-                      f"decode {t.get('committed_decode_tokens', 0):.0f} tok",
-                      f"reused {t.get('reused_prompt_tokens', 0):.0f} tok",
-                      f"done {t.get('requests_completed', 0):.0f}",
-                      f"running {int(self._snap.get('lanes_active', 0) or 0)}",
-                      f"waiting {int(self._snap.get('pending', 0) or 0)}")
-        if self._prompt:
-            table.add_row(f"[bold yellow]{self._prompt}[/bold yellow]")
-        return table
+        t, snap = self._totals, self._snap
+        line = Text.assemble(("ninfer", "bold"), f" up {time.monotonic() - self._t0:.0f} s | ",
+                             f"prefill {t.get('computed_prefill_tokens', 0):.0f} tok | ",
+                             f"decode {t.get('committed_decode_tokens', 0):.0f} tok | ",
+                             f"reused {t.get('reused_prompt_tokens', 0):.0f} tok | ",
+                             f"done {t.get('requests_completed', 0):.0f} | ",
+                             f"running {int(snap.get('lanes_active', 0) or 0)} | ",
+                             f"waiting {int(snap.get('pending', 0) or 0)}")
+        if self._prompt:  # the bottom line, beneath the statistics
+            return Group(line, Text(self._prompt, style="bold yellow"))
+        return line
 
     def update(self, totals: dict[str, float], snap: dict) -> None:
         self._totals, self._snap = totals, snap
