@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from test_convert import make_hf_dir
 
@@ -14,10 +15,10 @@ from ninfer_core.tokenizer.builtin_templates import builtin_template_source, fam
 
 
 def _strip_template(hf: str) -> None:
-    cfg_path = os.path.join(hf, "tokenizer_config.json")
-    cfg = json.load(open(cfg_path))
+    cfg_path = Path(hf, "tokenizer_config.json")
+    cfg = json.loads(cfg_path.read_text())
     cfg.pop("chat_template", None)
-    json.dump(cfg, open(cfg_path, "w"))
+    cfg_path.write_text(json.dumps(cfg))
     for name in ("chat_template.jinja", "chat_template.json"):
         if os.path.exists(os.path.join(hf, name)):
             os.remove(os.path.join(hf, name))
@@ -25,9 +26,10 @@ def _strip_template(hf: str) -> None:
 
 def test_a_llama_checkpoint_is_refused(tmp_path, capsys):
     hf = make_hf_dir(tmp_path)
-    cfg = json.load(open(os.path.join(hf, "config.json")))
+    cfg_path = Path(hf, "config.json")
+    cfg = json.loads(cfg_path.read_text())
     cfg["model_type"] = "llama"
-    json.dump(cfg, open(os.path.join(hf, "config.json"), "w"))
+    cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / "llama.ninfer"
     assert main(["convert", hf, str(out), "--no-progress"]) == 1
     err = capsys.readouterr().err

@@ -104,7 +104,7 @@ def test_the_stats_line_and_the_panel():
 
 
 def test_gateway_gauges_of_metrics_compat(make_app):
-    client, ctx, engine = make_app(metrics_compat=["vllm", "sglang"])
+    client, _, engine = make_app(metrics_compat=["vllm", "sglang"])
     snap = engine.snapshot()
     engine.snapshot = lambda: {**snap, "lanes_active": 1, "pending": 3, "pages_in_lanes": 32, "pages_total": 128}
     r = client.get("/metrics")

@@ -223,5 +223,5 @@ class StatsPanel:
     def stop(self) -> None:
         try:
             self.live.stop()
-        except Exception:  # noqa: BLE001 - the terminal may be gone at exit
+        except Exception:  # the terminal may be gone at exit
             logging.getLogger("ninfer").debug("stopping the stats panel failed", exc_info=True)
