@@ -1,9 +1,23 @@
-"""Serve options: one dataclass shared by the CLI, the engine and the HTTP server."""
+"""Serve options: one dataclass shared by the CLI, the engine and the HTTP server.
+
+The argparse side (every option, its help, default and range) is ninfer_core.serve_options;
+`options_from_args` turns its namespace into ServeOptions and refuses option combinations.
+"""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+
+# The argparse side lives in serve_options; these names stay importable from here.
+from ninfer_core.serve_options import (  # noqa: F401
+    EFFORT_VALUES,
+    add_llamacpp_arguments,
+    add_serve_arguments,
+    add_spec_arguments,
+    add_structured_arguments,
+    add_thinking_arguments,
+)
 
 
 @dataclass
@@ -60,6 +74,9 @@ class EngineOptions:
     lookup_ngram: int = 0
     ngram_archive_mib: int = 0
     ngram_session_mib: int = 128
+    # Recovery (spec "Startup readiness"): a broken invariant is recovered like an out-of-memory
+    # failure instead of failing the engine (--recover-invariant-failures).
+    recover_invariant_failures: bool = False
 
     def resolved_kv_capacity(self) -> int:
         return self.kv_capacity if self.kv_capacity is not None else self.max_context
@@ -79,11 +96,6 @@ class EngineOptions:
                             archive_bytes=self.ngram_archive_mib << 20, session_bytes=self.ngram_session_mib << 20)
 
 
-EFFORT_VALUES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-_POST_THINKING_KEYS = {"temp": "temperature", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                       "min_p": "min_p", "presence": "presence_penalty", "frequency": "frequency_penalty"}
-
-
 @dataclass
 class ThinkingOptions:
     """Thinking defaults (spec "Server options"): budgets, effort and post-thinking sampling."""
@@ -93,37 +105,6 @@ class ThinkingOptions:
     default_reasoning_effort: str | None = None
     post_thinking: bool = False  # sample the answer of thinking requests with the post-thinking preset
     post_thinking_overrides: dict = field(default_factory=dict)  # sampler field -> value
-
-
-def _post_thinking_sampler(text: str) -> dict:
-    out: dict = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        name = _POST_THINKING_KEYS.get(key.strip())
-        if not sep or name is None:
-            raise argparse.ArgumentTypeError(f"expected temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F], "
-                                             f"got {item!r}")
-        try:
-            out[name] = int(value) if name == "top_k" else float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{key.strip()} needs a number, got {value!r}") from None
-    return out
-
-
-def add_thinking_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--default-thinking-budget", type=_positive(1), default=None,
-                   help="thinking-token cap for requests that think and name no budget")
-    p.add_argument("--thinking-budget-message", default=None, metavar="TEXT",
-                   help="guidance inserted at the thinking budget (the </think> close is appended when missing)")
-    p.add_argument("--default-reasoning-effort", choices=EFFORT_VALUES, default=None,
-                   help="effort for requests that name none")
-    p.add_argument("--post-thinking", action="store_true",
-                   help="sample the answer of every thinking request with the post-thinking preset")
-    p.add_argument("--post-thinking-temperature", type=float, default=None)
-    p.add_argument("--post-thinking-top-p", type=float, default=None)
-    p.add_argument("--post-thinking-top-k", type=_positive(0), default=None)
-    p.add_argument("--post-thinking-sampler", type=_post_thinking_sampler, default=None,
-                   metavar="temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F]")
 
 
 def thinking_options_from_args(a: argparse.Namespace, no_thinking: bool) -> ThinkingOptions:
@@ -162,6 +143,11 @@ class ServeOptions:
     preserve_thinking: bool = False
     max_request_mib: int = 384
     log_level: str = "info"
+    log_colours: bool | None = None  # None: on when stderr is a terminal
+    log_stats_interval_ms: int = 5000  # console throughput line (0: off)
+    log_stats_panel: bool = False  # rich statistics panel beneath the console log
+    api_docs: bool = False  # /docs and /redoc (GET /openapi.json is always served)
+    metrics_compat: list[str] = field(default_factory=list)  # "vllm", "sglang": gateway gauges on /metrics
     usage_chunk_choice: bool = False
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
@@ -182,110 +168,13 @@ class ServeOptions:
     # Structured output (ninfer_core.structured; spec "Structured output")
     structured_output: bool = False  # accept JSON / JSON Schema formats and grammars, enforced by xgrammar
     unconstrained_response_format: bool = False  # without it: generate such requests unconstrained, not 400
-    # Agent clients and the WebUI (add_client_arguments)
+    # Agent clients and the WebUI (serve_options.add_client_arguments)
     drop_hosted_tools: bool = False  # Responses: remove hosted tools (web_search, ...) instead of refusing
     webui_dir: str | None = None  # a built llama.cpp WebUI served at GET /; None: the one fetch-webui.sh built
     no_webui: bool = False
     webui_mcp_proxy: bool = False  # the /cors-proxy relay for the WebUI's MCP client
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
-
-
-def _positive(lo: int, hi: int | None = None):
-    def parse(s: str) -> int:
-        v = int(s)
-        if v < lo or (hi is not None and v > hi):
-            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-            raise argparse.ArgumentTypeError(f"must be in {rng}, got {v}")
-        return v
-
-    return parse
-
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("artifact", nargs="?", help="the .ninfer artifact (default: the embedded small model)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; a comma-separated list listens on each (127.0.0.1,::1)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--stats-port", type=_positive(0, 65535), default=None, metavar="N",
-                   help="also serve GET /health, /stats, /v1/load and /metrics on port N of the same address, with a "
-                        "worker of their own (0: a free port, announced in the log)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model-id", default=None)
-    p.add_argument("--cors", action="store_true")
-    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                   help="a built-in template name (chatml, qwen35), a Jinja file, or inline Jinja source")
-    p.add_argument("--no-thinking", action="store_true")
-    p.add_argument("--preserve-thinking", action="store_true")
-    p.add_argument("--max-request-mib", type=_positive(1), default=384)
-    p.add_argument("--log-level", default="info",
-                   choices=["trace", "debug", "info", "warning", "error", "critical", "off"])
-    p.add_argument("--usage-chunk-choice", action="store_true")
-    p.add_argument("--response-store-max-records", type=_positive(0), default=1024,
-                   help="most Responses kept for retrieval and previous_response_id (LRU)")
-    p.add_argument("--response-store-max-mib", type=_positive(0), default=256,
-                   help="total size of the stored Responses (LRU)")
-    p.add_argument("--lenient-assistant-history", action="store_true",
-                   help="Responses: assistant content or reasoning after function_call Items joins that turn")
-    p.add_argument("--request-log-jsonl", default=None, metavar="FILE",
-                   help="append full-precision server/request records as JSON lines (no prompts or outputs)")
-    p.add_argument("--request-log-max-mib", type=_positive(0), default=0, metavar="N",
-                   help="rotate the request log at N MiB to FILE.1..FILE.<keep> (0: one unbounded file)")
-    p.add_argument("--request-log-keep", type=_positive(0), default=4, metavar="N",
-                   help="rotated request logs kept; 0 keeps none")
-    p.add_argument("--plugin", action="append", default=[], metavar="NAME",
-                   help="load only this plugin (repeatable); a dotted module path loads that module")
-    p.add_argument("--max-context", type=_positive(1), default=8192)
-    p.add_argument("--kv-capacity", type=_positive(1), default=None)
-    p.add_argument("--max-concurrency", type=_positive(1, 8), default=1)
-    p.add_argument("--max-pending-requests", type=_positive(0), default=16)
-    p.add_argument("--pending-timeout-ms", type=_positive(1), default=600_000)
-    p.add_argument("--prefill-chunk", type=_positive(1), default=1024)
-    p.add_argument("--decode-rounds-per-prefill", type=_positive(0), default=0)
-    p.add_argument("--concurrent-prefill", action="store_true",
-                   help="admit waiting requests to free lanes while another request prefills")
-    p.add_argument("--default-max-tokens", type=_positive(1), default=None)
-    p.add_argument("--kv-dtype", default="bf16")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=_positive(0, 20), default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--no-cuda-graph", action="store_true",
-                   help="run decode rounds eagerly instead of replaying captured CUDA Graphs")
-    from ninfer_core.engine.cache_options import add_cache_arguments
-
-    add_cache_arguments(p)
-    add_thinking_arguments(p)
-    add_spec_arguments(p)
-    add_llamacpp_arguments(p)
-    add_structured_arguments(p)
-    add_client_arguments(p)
-
-
-def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    """--spec (the backend is a plugin that adds its own options) and core's n-gram copy drafting."""
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", default=None, metavar="NAME",
-                   help="speculative backend (mtp from ninfer-spec-mtp; dflash, dflash2); default off")
-    g.add_argument("--ngram-draft-tokens", type=_positive(0, 63), default=None, metavar="N",
-                   help="copy drafting: up to N tokens (1..63; above 15 only at --max-concurrency 1) copied from "
-                        "earlier prompt or output text the last --ngram-min-match tokens match; 0 disables it "
-                        "(default 15 with --spec, else 0)")
-    g.add_argument("--ngram-min-match", type=_positive(4, 64), default=12, metavar="N",
-                   help="shortest match a copy is drawn from, 4..64 (default 12)")
-    g.add_argument("--lookup-ngram", type=_positive(0, 64), default=0, metavar="N",
-                   help="context-lookup drafting: the last N tokens are matched against the sequence so far and "
-                        "what followed is proposed (default 0: off)")
-    g.add_argument("--ngram-archive-mib", type=_positive(0), default=0, metavar="N",
-                   help="RAM archive keeping finished requests' copy sources for later requests naming the same "
-                        "X-NInfer-Draft-Session (default 0: off)")
-    g.add_argument("--ngram-session-mib", type=_positive(1), default=128, metavar="N",
-                   help="per-session share of that archive, 1 MiB up to the archive size (default 128)")
 
 
 def _comma_list(s: str) -> list[str]:
@@ -297,60 +186,12 @@ def _origins(values: list[str] | None) -> list[str] | None:
     return None if values is None else [v.rstrip("/") or v for v in values]
 
 
-def add_llamacpp_arguments(p: argparse.ArgumentParser) -> None:
-    """Options scripts written for llama-server pass (docs/llamacpp.md, "Server options").
-    --host (above) also takes llama-server's comma list of addresses."""
-    g = p.add_argument_group("llama-server compatibility")
-    g.add_argument("--cors-origins", type=_comma_list, default=None, metavar="LIST",
-                   help="allow CORS only from these comma-separated origins ('*' any, 'localhost' a page served "
-                        "from this machine); implies --cors")
-    g.add_argument("--metrics", action="store_true",
-                   help="accepted for llama-server scripts: GET /metrics is always served")
-    g.add_argument("--slots", dest="no_slots", action="store_false", default=False, help="serve GET /slots (the default)")
-    g.add_argument("--no-slots", dest="no_slots", action="store_true", default=False,
-                   help="answer GET and POST /slots with 501, as llama-server --no-slots does")
-    g.add_argument("--chat-template-file", dest="chat_template", metavar="FILE",
-                   help="llama-server's spelling of --chat-template FILE")
-    g.add_argument("--accept-any-model", action="store_true",
-                   help="serve a request naming any model with the loaded one (clients that send a fixed name)")
-    g.add_argument("--alias", type=_comma_list, default=[], metavar="NAMES",
-                   help="comma-separated model names requests may use (reported as aliases); the first is the "
-                        "public model id unless --model-id is given")
-    g.add_argument("--jinja", action="store_true",
-                   help="accepted for llama-server scripts: chat templates are always Jinja")
-    g.add_argument("--tags", type=_comma_list, default=[], metavar="TAGS",
-                   help="comma-separated informational model tags (reported by /v1/models)")
-
-
-# -- structured output (ninfer_core.structured) ---------------------------------------------------
-
-def add_structured_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--structured-output", action="store_true",
-                   help="accept JSON and JSON Schema response formats (and llama.cpp json_schema/grammar), "
-                        "enforced token by token with xgrammar; forced tool calls follow their parameter schema")
-    p.add_argument("--unconstrained-response-format", action="store_true",
-                   help="without --structured-output, generate a JSON or JSON Schema request unconstrained "
-                        "instead of refusing it")
-
-
 def structured_options_from_args(a: argparse.Namespace) -> dict:
     return {"structured_output": bool(getattr(a, "structured_output", False)),
             "unconstrained_response_format": bool(getattr(a, "unconstrained_response_format", False))}
 
 
 # -- agent clients and the WebUI ------------------------------------------------------------------
-
-def add_client_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drop-hosted-tools", action="store_true",
-                   help="Responses: remove hosted tools (web_search, file_search, code_interpreter, image_generation, "
-                        "computer use, mcp, local_shell) from a request instead of refusing it")
-    p.add_argument("--webui-dir", default=None, metavar="DIR",
-                   help="serve the built llama.cpp WebUI in DIR at GET / (default: the one scripts/fetch-webui.sh "
-                        "built, when present)")
-    p.add_argument("--no-webui", action="store_true", help="do not serve a WebUI")
-    p.add_argument("--webui-mcp-proxy", action="store_true",
-                   help="relay the WebUI's MCP traffic at /cors-proxy (http targets, no API key)")
-
 
 def client_options_from_args(a: argparse.Namespace) -> dict:
     if getattr(a, "webui_dir", None) and getattr(a, "no_webui", False):
@@ -370,6 +211,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
         seed=a.seed, greedy=a.greedy, cuda_graph=not getattr(a, "no_cuda_graph", False),
+        recover_invariant_failures=bool(getattr(a, "recover_invariant_failures", False)),
     )
     from ninfer_core.engine.cache_options import apply_cache_arguments
 
@@ -398,6 +240,9 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         no_thinking=a.no_thinking,
         preserve_thinking=a.preserve_thinking, max_request_mib=a.max_request_mib,
         log_level=a.log_level, usage_chunk_choice=a.usage_chunk_choice, plugins=list(a.plugin),
+        log_colours=getattr(a, "log_colours", None), log_stats_interval_ms=getattr(a, "log_stats_interval_ms", 5000),
+        log_stats_panel=bool(getattr(a, "log_stats_panel", False)), api_docs=bool(getattr(a, "api_docs", False)),
+        metrics_compat=list(getattr(a, "metrics_compat", None) or []),
         response_store_max_records=getattr(a, "response_store_max_records", 1024),
         response_store_max_mib=getattr(a, "response_store_max_mib", 256),
         lenient_assistant_history=getattr(a, "lenient_assistant_history", False),

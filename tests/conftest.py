@@ -52,7 +52,8 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 20.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Stop the server (SIGTERM stops at once; one SIGINT only asks for a second one)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:

@@ -629,6 +629,8 @@ def test_a_search_past_its_budget_takes_the_maximal_fallback(monkeypatch):
 
 
 def test_pressure_events_and_searches_reach_metrics():
+    from test_cache_metrics import samples
+
     from ninfer_core.engine.cache_metrics import context_cache_metrics
 
     rng = random.Random(24)
@@ -638,8 +640,7 @@ def test_pressure_events_and_searches_reach_metrics():
         run(eng, toks(rng, 260), max_tokens=6, hints=CheckpointHints(turn_closure=250))
     snap = eng.snapshot()
     cc = snap["context_cache"]
-    lines = dict(line.rsplit(" ", 1) for line in context_cache_metrics(snap).splitlines()
-                 if not line.startswith("#"))
+    lines = {k: str(int(v)) for k, v in samples(context_cache_metrics(snap)).items()}
     demoted = cc["pressure"]["private_owner_demoted"]
     assert demoted >= 1 and demoted <= cc["pressure"]["private_owner_degraded"]
     assert lines['ninfer:context_pressure_events_total{event="private_owner_demoted"}'] == str(demoted)

@@ -23,20 +23,32 @@ def test_series_follow_the_engine_counters():
         text = context_cache_metrics(eng.snapshot())
     finally:
         eng.shutdown(timeout=30)
-    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    assert lines['ninfer:context_selections_total{source="root"}'] == "1"
-    assert lines['ninfer:context_selections_total{source="private_endpoint"}'] == "1"
-    assert lines['ninfer:context_selections_total{source="shared_stable_prefix"}'] == "0"
-    assert lines["ninfer:reused_prompt_tokens_total"] == str(len(p) + len(out.token_ids) - 1)
-    assert int(lines['ninfer:context_occupancy{pool="device_main_kv_pages"}']) > 0  # retained checkpoints
+    lines = samples(text)
+    assert lines['ninfer:context_selections_total{source="root"}'] == 1
+    assert lines['ninfer:context_selections_total{source="private_endpoint"}'] == 1
+    assert lines['ninfer:context_selections_total{source="shared_stable_prefix"}'] == 0
+    assert lines["ninfer:reused_prompt_tokens_total"] == len(p) + len(out.token_ids) - 1
+    assert lines['ninfer:context_occupancy{pool="device_main_kv_pages"}'] > 0  # retained checkpoints
     assert "# TYPE ninfer:context_selections_total counter" in text
     assert context_cache_metrics({"context_cache": None}) == ""
 
 
-def test_counters_render_exactly():
-    from ninfer_core.engine.cache_metrics import family
+def samples(text: str) -> dict[str, float]:
+    """{'name{label="v",...}': value} as a Prometheus scraper reads the text (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    big = 2**53 + 1  # a token counter past float precision stays exact
-    lines = family("x_total", "counter", "h", [({}, big), ({"a": "b"}, 0.25), ({"a": "c"}, 3.0)])
-    assert lines == ["# HELP x_total h", "# TYPE x_total counter", f"x_total {big}", 'x_total{a="b"} 0.25',
-                     'x_total{a="c"} 3']
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_label_values_are_escaped_and_large_counters_parse():
+    from ninfer_core.engine.cache_metrics import labelled, render
+
+    text = render([labelled("counter", "x_total", "h", "a", [('q"uo\\te', 2**53 + 1), ("b", 0.25)])])
+    assert 'x_total{a="q\\"uo\\\\te"}' in text  # the quote and the backslash escaped
+    lines = samples(text)
+    assert lines['x_total{a="q"uo\\te"}'] == float(2**53 + 1) and lines['x_total{a="b"}'] == 0.25

@@ -53,18 +53,19 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
 
 
 def parse(text: str) -> tuple[dict[str, float], dict[str, str]]:
-    """Prometheus text -> ({'name{labels}': value}, {name: type}); any malformed line fails."""
-    samples, types = {}, {}
+    """Prometheus text -> ({'name{labels}': value}, {name: type}), read by prometheus_client's parser as a
+    scraper reads it (labels in name order); any malformed line fails. Every sample line must also
+    be a plain `name{labels} value` line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            types[name] = kind
-        elif line.startswith("#") or not line:
-            continue
-        else:
-            m = _SAMPLE.match(line)
-            assert m, f"not a Prometheus sample line: {line!r}"
-            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        assert line.startswith("#") or not line or _SAMPLE.match(line), f"not a Prometheus sample line: {line!r}"
+    samples, types = {}, {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name + ("_total" if fam.type == "counter" else "")] = fam.type
+        for smp in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items()))
+            samples[smp.name + (f"{{{labels}}}" if labels else "")] = smp.value
     return samples, types
 
 
@@ -107,7 +108,7 @@ def test_scrape_has_every_spec_series_and_needs_the_key(server):
         if name == "ninfer:context_transfer_bytes_total":
             for obj in ("state", "main_kv", "backend_kv"):
                 for d in ("d2h", "h2d"):
-                    assert f'{name}{{object="{obj}",direction="{d}"}}' in samples, (obj, d)
+                    assert f'{name}{{direction="{d}",object="{obj}"}}' in samples, (obj, d)
         elif name in LABELS:
             label, values = LABELS[name]
             for v in values:

@@ -14,8 +14,10 @@ from ninfer_core.artifact.progress import human_bytes
 from ninfer_core.artifact.writer import TensorSpec, write_artifact
 
 
-def run_convert(args) -> int:
-    """CLI entry: returns 0, or 1 with `error: ...` on stderr."""
+def run_convert(args, check_manifest=None) -> int:
+    """CLI entry: returns 0, or 1 with `error: ...` on stderr. `check_manifest(manifest)` (the CLI's
+    model-family check) may complete the manifest of a Hugging Face directory or raise ArtifactError
+    before any tensor is written."""
     head = getattr(args, "mtp_proposal_head", None)
     corpus = getattr(args, "mtp_proposal_corpus", None)
     progress = not getattr(args, "no_progress", False)
@@ -30,7 +32,7 @@ def run_convert(args) -> int:
                                         proposal_head=head, corpus=corpus)
         else:
             manifest = convert_hf_dir(args.hf_dir, args.out, name=args.name, progress=progress,
-                                      proposal_head=head, corpus=corpus)
+                                      proposal_head=head, corpus=corpus, check_manifest=check_manifest)
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -48,7 +50,7 @@ def run_convert(args) -> int:
 
 
 def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
-                   corpus: str | None = None) -> dict:
+                   corpus: str | None = None, check_manifest=None) -> dict:
     """Convert `hf_dir` into the artifact `out`; returns the manifest written. ArtifactError on bad input.
 
     `proposal_head` N (with `corpus`): also store an optimised proposal head of N rows
@@ -66,6 +68,8 @@ def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False,
     _read_json(hf_dir, "config.json", required=True)
     _weight_files(hf_dir)
     manifest = hf_manifest(hf_dir, name=name)
+    if check_manifest is not None:
+        check_manifest(manifest)
     with contextlib.ExitStack() as stack:
         specs = hf_tensor_specs(hf_dir, stack)
         if proposal_head is not None:

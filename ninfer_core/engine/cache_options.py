@@ -20,45 +20,62 @@ def _count(s: str) -> int:
     return v
 
 
+def _gib(s: str) -> float:
+    import math
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("context cache")
-    g.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching")
-    g.add_argument("--device-state-slots", type=_count, default=None,
+    g.add_argument("--no-prefix-reuse", action="store_true",
+                   help="disable compatible-prefix caching (default: prefix reuse on)")
+    g.add_argument("--device-state-slots", type=_count, default=None, metavar="N",
                    help="extra Device checkpoint StateImages beyond the active lanes (default: max-concurrency)")
-    g.add_argument("--host-state-slots", type=_count, default=None, help="Host StateImage capacity (default 8)")
-    g.add_argument("--host-kv-mib", type=_count, default=None, help="Host KV capacity in MiB (default 8192)")
-    g.add_argument("--host-cache-mib", type=_count, default=None,
-                   help="one Host ceiling for the retention tier; derives the state/KV split")
-    g.add_argument("--max-private-continuations", type=_count, default=None,
+    g.add_argument("--host-state-slots", type=_count, default=None, metavar="N",
+                   help="Host StateImage capacity (default 8)")
+    g.add_argument("--host-kv-mib", type=_count, default=None, metavar="N",
+                   help="Host KV capacity in MiB (default 8192)")
+    g.add_argument("--host-cache-mib", type=_count, default=None, metavar="N",
+                   help="one Host ceiling in MiB for the retention tier; derives the state/KV split and replaces "
+                        "--host-state-slots and --host-kv-mib (default: unset, the component flags apply)")
+    g.add_argument("--max-private-continuations", type=_count, default=None, metavar="N",
                    help="private continuation cells (/slots) (default: 2 * max-concurrency)")
-    g.add_argument("--max-shared-prefixes", type=_count, default=None,
+    g.add_argument("--max-shared-prefixes", type=_count, default=None, metavar="N",
                    help="shared stable prefixes (default: max(max-concurrency, 7))")
-    g.add_argument("--max-long-anchors-per-continuation", type=_count, default=None,
+    g.add_argument("--max-long-anchors-per-continuation", type=_count, default=None, metavar="N",
                    help="long anchors per continuation (default 2, 4 with --auto-long-anchors)")
     g.add_argument("--auto-long-anchors", action="store_true",
                    help="anchor message boundaries of every request automatically")
-    g.add_argument("--long-anchor-spacing", type=_count, default=1024,
+    g.add_argument("--long-anchor-spacing", type=_count, default=1024, metavar="N",
                    help="minimum token gap between automatic anchors, doubling per anchor")
     g.add_argument("--branch-anchors", action="store_true",
                    help="capture a long anchor where a prompt leaves a retained conversation")
     g.add_argument("--no-endpoint-anchors", action="store_true",
                    help="do not keep a resumed endpoint as a long anchor")
     g.add_argument("--slot-save-path", default=None, metavar="DIR",
-                   help="enable POST /slots/{id} save/restore/erase with files in DIR")
+                   help="enable POST /slots/{id} save/restore/erase with files in DIR (default: off, 501)")
     g.add_argument("--auto-save-evicted", action="store_true",
                    help="write an evicted session back to its bound slot file; requires --slot-save-path")
     g.add_argument("--disk-kv-path", default=None, metavar="DIR",
-                   help="disk tier: evicted conversations are written to DIR")
-    g.add_argument("--disk-kv-gib", type=float, default=64, help="disk tier budget in GiB")
+                   help="disk tier: evicted conversations are written to DIR (default: off)")
+    g.add_argument("--disk-kv-gib", type=_gib, default=64, metavar="N", help="disk tier budget in GiB")
     g.add_argument("--disk-kv-restore", action="store_true",
-                   help="seed a new request's matching prefix from the disk tier")
+                   help="seed a new request's matching prefix from the disk tier (default: the tier is write-only)")
     g.add_argument("--kv-lease-growth", action="store_true",
                    help="admission reserves the prompt plus a 4096-token output window (or --prefill-chunk when "
                         "larger) and grows it at decode boundaries, releasing idle retained owners least recently "
-                        "used first; an answer whose next page does not fit ends with finish_reason length")
+                        "used first; an answer whose next page does not fit ends with finish_reason length "
+                        "(default: own-pages leases)")
     g.add_argument("--reserve-continuation-pages", action="store_true",
                    help="admission reserves the pages a resumed conversation holds beyond the resumed checkpoint "
-                        "instead of leasing them to the request (the behaviour before own-pages leases)")
+                        "instead of leasing them to the request (the behaviour before own-pages leases; default off)")
 
 
 def apply_cache_arguments(a: argparse.Namespace, eng) -> None:

@@ -34,6 +34,7 @@ from ninfer_core.engine.model_api import (
     RunnerOptions,
 )
 from ninfer_core.engine.pages import PagePool, pages_for
+from ninfer_core.engine.recovery import Recovery
 from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus, post_batch
 from ninfer_core.engine.rounds import RoundDriver
 from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
@@ -127,6 +128,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._order = itertools.count()
         self.counters = dict.fromkeys(COUNTERS + UNIT_COUNTERS, 0)
+        self._n_tokens_max = 0  # longest sequence (prompt + output) an ended request reached (/metrics)
         self._controls: list = []  # (fn, concurrent.futures.Future) run by the worker at a boundary
         # Events the worker produced, delivered together by `_flush` (one wakeup of each event loop
         # per decode round instead of one per token). Worker thread only. A runner whose forwards
@@ -139,6 +141,9 @@ class Engine:
         self.rounds = RoundDriver(self, spec, ngram)
         # Structured output: constrained requests' masks on host threads (ninfer_core.structured.masks)
         self._masks = MaskStage()
+        # Worker failures: recover (out of memory; invariants with --recover-invariant-failures) or
+        # latch failed (ninfer_core.engine.recovery)
+        self.recovery = Recovery(self)
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -183,6 +188,8 @@ class Engine:
         seq.handle = RequestHandle(request_id, loop, lambda: self._cancel(seq), seq.prompt_len,
                                    budget.max_tokens)
         with self._cv:
+            if self.recovery.failure is not None:
+                raise self.recovery.refusal()
             if self._stopping:
                 raise EngineError(503, "service_unavailable", "server is shutting down")
             if self._outstanding >= self.capacity:
@@ -228,8 +235,12 @@ class Engine:
                 "kv_bytes": self.kv_bytes,
                 "state_bytes": self.state_bytes,
                 "counters": dict(self.counters),
+                # llama.cpp's n_tokens_max, and the pages running requests hold (the gateway's KV usage)
+                "n_tokens_max": max([self._n_tokens_max] + [_lane_tokens(q) for q in s.lanes]),
+                "pages_in_lanes": len({p for q in s.lanes for p in q.pages}),
                 "context_cache": self.cache.snapshot() if self.cache is not None else None,
                 "speculative": self.rounds.describe(),
+                "failed": self.recovery.failure,
             }
 
     def run_control(self, fn) -> "concurrent.futures.Future":
@@ -285,11 +296,12 @@ class Engine:
                         break
                 try:
                     self._iteration()
-                except Exception as exc:  # an invariant broke outside any one forward
+                    serving = self.recovery.after_iteration()
+                except Exception as exc:  # a failure outside any one forward: recover or latch
                     log.exception("engine iteration failed")
-                    with self._cv:
-                        self.counters["engine_recoveries"] += 1
-                    self._fail_everything(EngineError(500, "server_error", f"engine failure: {exc}"))
+                    serving = self.recovery.on_iteration_error(exc)
+                if not serving:
+                    break
         finally:
             self._flush()
             self._fail_all_on_shutdown()
@@ -547,6 +559,8 @@ class Engine:
     # -- ending requests ------------------------------------------------------------------------
     def _end_locked(self, seq: Sequence, counter: str) -> None:
         seq.spec_facts = self.rounds.facts(seq)  # before the backend forgets the request
+        if seq.status in (SeqStatus.PREFILL, SeqStatus.DECODE):  # it held a lane
+            self._n_tokens_max = max(self._n_tokens_max, _lane_tokens(seq))
         self.rounds.released(seq)
         self.scheduler.release(seq)
         self._outstanding -= 1
@@ -612,30 +626,30 @@ class Engine:
                            context=_context_report(seq), speculative=spec)
 
     def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
-        err = exc if isinstance(exc, EngineError) else EngineError(
+        err = exc if isinstance(exc, EngineError) else self.recovery.error_for(exc) or EngineError(
             status, "server_error", f"model execution failed: {type(exc).__name__}: {exc}")
         with self._cv:
             if seq.status is SeqStatus.FINISHED:
                 return
             self._end_locked(seq, "requests_failed")
+        self.recovery.note(exc)
         self._flush()
         seq.post(EngineEvent("error", error=err))
 
-    def _fail_everything(self, err: EngineError) -> None:
-        """Last resort for a broken invariant: fail the lanes, or the FIFO when no lane can be
-        blamed, so a persistent fault cannot spin the worker."""
-        with self._cv:
-            seqs = list(self.scheduler.lanes) or list(self.scheduler.waiting)
-        for seq in seqs:
-            self._fail(seq, err)
-
     def _fail_all_on_shutdown(self) -> None:
         err = EngineError(503, "service_unavailable", "server is shutting down")
+        if self.recovery.failure is not None:
+            err = self.recovery.refusal()
         with self._cv:
             seqs = list(self.scheduler.lanes) + list(self.scheduler.waiting)
             self._cancelled.clear()
         for seq in seqs:
             self._fail(seq, err)
+
+
+def _lane_tokens(seq: Sequence) -> int:
+    """Tokens a lane's sequence holds: the prompt processed so far, then prompt and output."""
+    return max(seq.num_cached, seq.prompt_len + len(seq.output_ids) if seq.output_ids else 0)
 
 
 def _log_probs_of(logits, token_ids: list[int]) -> list[float]:

@@ -99,7 +99,8 @@ def number_in(data: dict, key: str, lo: float, hi: float, lo_open: bool = False)
         return None
     if not is_number(v):
         raise wrong_type(key, "a number")
-    if v < lo or v > hi or (lo_open and v == lo):
+    # `not lo <= v <= hi` also refuses NaN, for which every comparison is false
+    if not lo <= v <= hi or (lo_open and v == lo):
         rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise bad_request("invalid_value", f"'{key}' must be in {rng}, got {v}.", key)
     return float(v)

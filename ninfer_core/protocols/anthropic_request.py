@@ -13,13 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer_core.protocols import anthropic_models
 from ninfer_core.protocols.anthropic_history import (
     check_cache_control,
     is_int,
     is_number,
     lower_conversation,
     missing,
-    number_in,
     opt_bool,
     wrong_type,
 )
@@ -80,13 +80,10 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     """
     if not isinstance(data, dict):
         raise bad_request("invalid_type", "The request body must be a JSON object.", None)
-    model = data.get("model")
-    if model is None:
-        raise missing("model")
-    if not isinstance(model, str):
-        raise wrong_type("model", "a string")
-    if not model:
-        raise bad_request("invalid_value", "'model' must be a non-empty string.", "model")
+    # the top-level field types and ranges (model, max_tokens, sampling, stop_sequences, stream,
+    # thinking's shape): pydantic, mapped by the one error mapper to the same codes and params
+    anthropic_models.validate(data, count_only)
+    model = data["model"]
     _refuse_executors(data)
     _graft(data)
 
@@ -115,15 +112,10 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     if count_only:
         return plan
     plan.max_tokens = _max_tokens(data)
-    stream = opt_bool(data, "stream")
-    plan.stream = bool(stream)
-    plan.stop = _stop_sequences(data.get("stop_sequences"))
-    top_k = data.get("top_k")
-    if top_k is not None and (not is_int(top_k) or top_k < 0):
-        raise (bad_request("invalid_value", "'top_k' must be a non-negative integer.", "top_k")
-               if is_int(top_k) else wrong_type("top_k", "an integer"))
-    plan.sampling_request = {"temperature": number_in(data, "temperature", 0.0, 1.0),
-                             "top_p": number_in(data, "top_p", 0.0, 1.0, lo_open=True), "top_k": top_k}
+    plan.stream = bool(data.get("stream"))
+    plan.stop = list(data.get("stop_sequences") or [])
+    plan.sampling_request = {"temperature": _float(data.get("temperature")), "top_p": _float(data.get("top_p")),
+                             "top_k": data.get("top_k")}
     plan.post_thinking = _post_thinking(data.get("post_thinking"))
     refuse_conflicts(fmt, stop=plan.stop, stop_param="stop_sequences")
     plan.response_format = fmt
@@ -149,28 +141,12 @@ def _graft(data: dict) -> None:
 
 
 def _max_tokens(data: dict) -> int | None:
-    v = data.get("max_tokens")
-    if v is None:
-        return None
-    if not is_int(v):
-        raise wrong_type("max_tokens", "an integer")
-    if v < 1:
-        raise bad_request("invalid_value", "'max_tokens' must be at least 1 (omit it for the default output "
-                          "limit; a zero-output request is not supported).", "max_tokens")
-    return v
+    """max_tokens (checked by anthropic_models: an integer >= 1), or None for the default limit."""
+    return data.get("max_tokens")
 
 
-def _stop_sequences(stops: Any) -> list[str]:
-    if stops is None:
-        return []
-    if not isinstance(stops, list):
-        raise wrong_type("stop_sequences", "a list of strings")
-    for i, s in enumerate(stops):
-        if not isinstance(s, str):
-            raise wrong_type(f"stop_sequences.{i}", "a string")
-        if s == "":
-            raise bad_request("invalid_value", "Stop sequences must be non-empty.", f"stop_sequences.{i}")
-    return list(stops)
+def _float(v: Any) -> float | None:
+    return None if v is None else float(v)
 
 
 def _thinking(data: dict, ctx: ServerContext, count_only: bool) -> tuple[bool, bool, int | None, bool]:

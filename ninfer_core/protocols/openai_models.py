@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ninfer_core.protocols import wire_schemas
+from ninfer_core.protocols.wire_schemas import described
 from ninfer_core.server.errors import request_error
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -23,7 +25,7 @@ class _Wire(BaseModel):
 
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Any = None
+    content: described(wire_schemas.CHAT_CONTENT) = None
     name: Any = None
     tool_calls: Any = None
     tool_call_id: Any = None
@@ -88,7 +90,7 @@ class ChatCompletionRequest(_Wire):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: Any = None
+    stop: described(wire_schemas.STOP) = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None

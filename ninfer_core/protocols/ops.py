@@ -13,12 +13,12 @@ import sys
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError
 from ninfer_core.server.context import ServerContext
-from ninfer_core.server.metrics import render_metrics
+from ninfer_core.server.metrics import MetricsEndpoint
 from ninfer_core.server.prepare import default_settings
 from ninfer_core.version import build_string
 
@@ -187,11 +187,15 @@ def mount_status_routes(router: APIRouter, ctx: ServerContext) -> None:
     async def get_stats() -> dict:
         return stats_report(ctx)
 
-    async def get_metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(ctx), media_type="text/plain; version=0.0.4; charset=utf-8")
+    metrics = MetricsEndpoint(ctx)  # this app's own registry and collector
 
-    router.add_api_route("/health", health, methods=["GET"])
-    router.add_api_route("/v1/health", health, methods=["GET"])  # llama-server's second spelling
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type, headers=metrics.headers())
+
+    # HEAD too: probes (and curl -I) ask without a body
+    for path in ("/health", "/v1/health"):  # /v1/health: llama-server's second spelling
+        router.add_api_route(path, health, methods=["GET"])
+        router.add_api_route(path, health, methods=["HEAD"])
     router.add_api_route("/v1/load", get_load, methods=["GET"])
     router.add_api_route("/metrics", get_metrics, methods=["GET"])
     router.add_api_route("/stats", get_stats, methods=["GET"])

@@ -16,13 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ninfer_core.engine.api import EngineError, SamplingParams
 from ninfer_core.engine.sampler import random_seed
+from ninfer_core.protocols import wire_schemas
 from ninfer_core.protocols.logit_bias import parse_logit_bias
 from ninfer_core.protocols.openai_chat_request import check_response_format
 from ninfer_core.protocols.raw_prompt_input import RawPrompt, parse_prompts, vocab_limit, with_copies
+from ninfer_core.protocols.wire_schemas import described
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request
 from ninfer_core.server.prepare import TOP_K_CAP, derived_output_limit, resolve_sampling
-from ninfer_core.protocols.openai_chat_request import check_response_format
 from ninfer_core.structured.formats import admit, llamacpp_grammar, llamacpp_json_schema, refuse_conflicts
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -53,8 +54,8 @@ class RawCompletionFields(WireModel):
     """The fields /completion and /v1/completions share. Unknown fields are ignored, among them
     the parameters of the controls below (repeat_last_n, mirostat_tau, dry_base, ...)."""
 
-    prompt: Any = None
-    model: Any = None
+    prompt: described(wire_schemas.PROMPT) = None
+    model: described(wire_schemas.OPTIONAL_STRING) = None
     max_tokens: int | None = None
     temperature: float | None = None  # below zero samples greedily
     top_k: int | None = None  # zero or below: the widest candidate set (20)
@@ -63,7 +64,7 @@ class RawCompletionFields(WireModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # negative: a random one
-    stop: Any = None
+    stop: described(wire_schemas.STOP) = None
     ignore_eos: bool | None = None
     stream: bool | None = None
     timings_per_token: bool | None = None

@@ -25,8 +25,10 @@ from fastapi.responses import JSONResponse, Response
 from ninfer_core import hookimpl
 from ninfer_core.engine.api import EngineError, GenerationRequest, SamplingParams
 from ninfer_core.engine.checkpoints import CheckpointHints
+from ninfer_core.protocols import wire_schemas
 from ninfer_core.protocols.raw_prompt import WireModel, check_model
 from ninfer_core.protocols.raw_submit import cancelled_error, unfinished_error
+from ninfer_core.protocols.wire_schemas import described
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.sse import ClientDisconnected, unless_disconnected
@@ -40,10 +42,10 @@ NO_WORDS = ("no", "No")
 
 
 class RerankRequest(WireModel):
-    model: Any = None
-    query: Any = None
-    documents: Any = None
-    texts: Any = None  # TEI
+    model: described(wire_schemas.OPTIONAL_STRING) = None
+    query: described(wire_schemas.OPTIONAL_STRING) = None
+    documents: described(wire_schemas.STRINGS) = None
+    texts: described(wire_schemas.STRINGS) = None  # TEI
     top_n: int | None = None
     return_documents: bool | None = None
     return_text: bool | None = None  # TEI

@@ -257,6 +257,8 @@ def normalize_input(value: Any, vision: bool, taken_ids: set[str]) -> list[dict]
         if not isinstance(item, dict):
             raise bad_request("invalid_type", f"'{param}' must be an Item object, got {show(item)}.", param)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind is not None and not isinstance(kind, str):  # (a dict here was a TypeError, a 500)
+            raise bad_request("invalid_type", f"'{param}.type' must be a string, got {show(kind)}.", f"{param}.type")
         if kind == "message":
             out = _message(item, param, vision)
         elif kind == "reasoning":

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer_core.engine.api import EngineError
+from ninfer_core.protocols import responses_models
 from ninfer_core.protocols.responses_items import show
 from ninfer_core.protocols.responses_tools import ToolSet, drop_hosted_tools, parse_tools
 from ninfer_core.server.context import ServerContext
@@ -268,28 +269,22 @@ def parse_request(data: dict, ctx: ServerContext, count_only: bool = False) -> C
                 raise bad_request("unsupported_parameter", f"'{key}' is not accepted by input token count, which "
                                   "does not generate.", key)
             raise bad_request("unknown_parameter", f"Unknown parameter: '{key}'.", key)
+    # the top-level scalar types and ranges: pydantic (responses_models), mapped to the same codes and params
+    responses_models.validate(data, count_only)
 
     model_id = ctx.model.id if ctx.model else ""
     model = data.get("model")
-    if model is None and not count_only:
-        raise bad_request("missing_required_parameter", "Missing required parameter: 'model'.", "model")
-    if model is not None:
-        _type(model, str, "model", "a string")
-        if not model:
-            raise bad_request("invalid_value", "'model' must not be empty.", "model")
-        if not ctx.serves_model(model):
-            raise EngineError(404, "model_not_found", f"The model {show(model)} does not exist; this server serves "
-                              f"{show(model_id)}.", param="model")
+    if model is not None and not ctx.serves_model(model):
+        raise EngineError(404, "model_not_found", f"The model {show(model)} does not exist; this server serves "
+                          f"{show(model_id)}.", param="model")
 
-    instructions = _opt_str(data, "instructions")
-    prev = _opt_str(data, "previous_response_id")
-    if prev == "":
-        raise bad_request("invalid_value", "'previous_response_id' must not be empty.", "previous_response_id")
-    max_out = _int(data, "max_output_tokens", 0)
-    stream = bool(_bool(data, "stream"))
-    store = _bool(data, "store")
-    temperature = _number(data, "temperature", 0, 2)
-    top_p = _number(data, "top_p", 0, 1)
+    instructions = data.get("instructions")
+    prev = data.get("previous_response_id")
+    max_out = data.get("max_output_tokens")
+    stream = bool(data.get("stream"))
+    store = data.get("store")
+    temperature = None if data.get("temperature") is None else float(data["temperature"])
+    top_p = None if data.get("top_p") is None else float(data["top_p"])
     metadata = _metadata(data.get("metadata"))
     cm = data.get("client_metadata")
     if cm is not None and not isinstance(cm, dict):

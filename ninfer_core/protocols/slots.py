@@ -9,7 +9,6 @@ transaction runs at a time; another one meanwhile is 409 slot_busy.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from ninfer_core import hookimpl
 from ninfer_core.engine import cache_slots
 from ninfer_core.engine.api import EngineError
 from ninfer_core.server.context import ServerContext
+from ninfer_core.server.json_body import parse_json_body
 
 log = logging.getLogger("ninfer.server")
 ACTIONS = ("save", "restore", "erase")
@@ -152,10 +152,7 @@ async def _body(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise EngineError(400, "invalid_json", "the request body is not valid JSON") from None
+    body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise EngineError(400, "invalid_request", "the request body must be a JSON object")
     return body

@@ -13,15 +13,17 @@ import anyio
 from fastapi import APIRouter, Request
 
 from ninfer_core import hookimpl
+from ninfer_core.protocols import wire_schemas
 from ninfer_core.protocols.raw_prompt import WireModel
 from ninfer_core.protocols.raw_prompt_input import single_prompt, tokenize_prompt, vocab_limit
+from ninfer_core.protocols.wire_schemas import described
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.prepare import forced_call_ids, render_prompt_ids
 
 
 class TokenizeRequest(WireModel):
-    content: Any = None
+    content: described(wire_schemas.TEXT) = None
     add_special: bool | None = None  # accepted: Qwen checkpoints add no BOS
     parse_special: bool | None = None  # default true: special-token text encodes as that token
     with_pieces: bool | None = None

@@ -14,6 +14,7 @@ from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import install_error_handlers
 from ninfer_core.server.middleware import ServerMiddleware
+from ninfer_core.server.openapi import install_openapi
 from ninfer_core.version import build_string
 
 
@@ -25,10 +26,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
     """Build the app around `ctx` (no module-level state; several apps can live in one process)."""
     if ctx.plugins is None:
         ctx.plugins = PluginHost(PluginSelection(autoload=False))
-    app = FastAPI(title="NInfer", version=build_string(), docs_url=None, redoc_url=None, openapi_url=None)
+    docs = ctx.options.api_docs  # /docs and /redoc only when asked: they load their scripts from a CDN
+    app = FastAPI(title="NInfer", version=build_string(), docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json",
+                  description="OpenAI-, Anthropic- and llama.cpp-compatible inference server (ninfer serve).")
     app.state.ctx = ctx
     install_error_handlers(app)
     app.state.routes = mount_protocols(app, ctx)
+    install_openapi(app, bool(ctx.options.api_key))
     from ninfer_core.server.webui import install as install_webui
 
     install_webui(app, ctx)  # last: its catch-all takes only what no protocol route does

@@ -15,6 +15,22 @@ from typing import Any
 from ninfer_core.config import ServeOptions
 from ninfer_core.engine.api import EngineError
 
+_IMPORTED_AT = time.time()
+
+
+def process_start_time() -> float:
+    """Unix time this process started (Linux: /proc), else when the server module was imported."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime, after "pid (comm)"
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        import os
+
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
 
 @dataclass
 class ServedModel:
@@ -96,6 +112,10 @@ class ServerContext:
     live_completions: dict | None = None
     stream_sessions: Any = None
     webui: Any = None
+    # The engine's failure once it latched unavailable (spec "Stop the server"): every route then
+    # answers 503 engine_failed and a single-model server exits with status 2.
+    engine_failure: str | None = None
+    process_start_unix: float = field(default_factory=lambda: process_start_time())  # /metrics header
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:

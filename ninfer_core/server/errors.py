@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ninfer_core.engine.api import EngineError
+from ninfer_core.server.json_body import parse_json_body  # noqa: F401 - the protocols import it from here
 
 log = logging.getLogger("ninfer.server")
 
@@ -198,14 +199,6 @@ async def parse_off_loop(raw: bytes, parse, *args):
 
         return await anyio.to_thread.run_sync(parse, raw, *args)
     return parse(raw, *args)
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """JSON of a request body, or EngineError invalid_json (400)."""
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EngineError(400, "invalid_json", f"The request body is not valid JSON: {e}") from None
 
 
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 401: "invalid_api_key",

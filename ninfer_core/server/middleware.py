@@ -23,6 +23,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ninfer_core.server.access_log import AccessRecord
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import (
     RequestTooLarge,
@@ -37,6 +38,9 @@ from ninfer_core.version import build_string
 log = logging.getLogger("ninfer.server")
 
 LOADING_MESSAGE = "The model is still loading. Retry shortly."
+# Seconds a client should wait before retrying a refusal that passes (overload, loading, a queue
+# timeout or a stop), unless the response set its own.
+RETRY_AFTER = {429: "1", 503: "2", 529: "1"}
 # llama-server's --cors-methods default; NInfer's routes use no other method
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -76,6 +80,8 @@ class ServerMiddleware:
         anthropic = is_anthropic_path(scope["path"])
         id_header = "request-id" if anthropic else "x-request-id"
 
+        record = AccessRecord(method, scope["path"], request_id)
+
         async def send_wrapper(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
@@ -84,58 +90,77 @@ class ServerMiddleware:
                 hs["X-NInfer-Version"] = self._version
                 if id_header not in hs:
                     hs[id_header] = request_id
+                status = message["status"]
+                if status in RETRY_AFTER and "retry-after" not in hs:
+                    hs["Retry-After"] = RETRY_AFTER[status]
+                record.on_start(status, hs.get("content-type", ""))
                 if cors:
                     # llama-server reflects the Origin and allows credentials (cookies, Authorization)
                     hs["Access-Control-Allow-Origin"] = origin
                     hs["Access-Control-Allow-Credentials"] = "true"
                     hs.add_vary_header("Origin")
                     hs["Access-Control-Expose-Headers"] = f"{id_header}, X-NInfer-Version, Retry-After"
+            elif message["type"] == "http.response.body":
+                record.on_body(message.get("body", b""))
             await send(message)
 
         try:
-            if not self.ctx.ready:
-                if anthropic:  # the spec's exact Anthropic loading envelope (no code field)
-                    resp = anthropic_error_response(503, LOADING_MESSAGE, request_id,
-                                                    headers={"Retry-After": "2"})
-                else:
-                    resp = error_response(503, LOADING_MESSAGE, "service_unavailable", "model_loading",
-                                          headers={"Retry-After": "2"})
-                await resp(scope, receive, send_wrapper)
-                return
-            preflight = method == "OPTIONS" and "access-control-request-method" in headers
-            if refused_origin:
-                resp = shaped_error_response(
-                    scope, 403, f"The origin {origin!r} is not allowed (--cors-origins).", "permission_error",
-                    "cors_origin_not_allowed")
-                await resp(scope, receive, send_wrapper)
-                return
-            if preflight and self.ctx.options.cors:
-                await _preflight(headers)(scope, receive, send_wrapper)
-                return
-            exempt = preflight or (method in ("GET", "HEAD") and scope["path"] in ("/health", "/v1/health")) or \
-                self._keyless(scope)
-            if self._key is not None and not exempt and not self._authorized(headers):
-                resp = shaped_error_response(
-                    scope, 401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>' or "
-                    "'x-api-key: <key>'.", "authentication_error", "invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"})
-                await resp(scope, receive, send_wrapper)
-                return
-            length = headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self._limit:
-                resp = too_large_response(self._limit)
-                if anthropic:
-                    resp = shaped_error_response(scope, 413, RequestTooLarge(self._limit).args[0],
-                                                 code="request_too_large")
-                await resp(scope, receive, send_wrapper)
-                return
-            await self.app(scope, self._limited(receive), send_wrapper)
+            await self._serve(scope, receive, send_wrapper, request_id, anthropic, headers, origin, refused_origin)
         except Exception:  # noqa: BLE001 - the last line of defence keeps the envelope and headers
             log.exception("internal error on %s %s", method, scope.get("path"))
             if not started:
                 resp = shaped_error_response(scope, 500, "Internal server error.", "server_error",
                                              "internal_error")
                 await resp(scope, receive, send_wrapper)
+        finally:
+            record.done()
+
+    async def _serve(self, scope: Scope, receive: Receive, send_wrapper: Send, request_id: str, anthropic: bool,
+                     headers: Headers, origin: str | None, refused_origin: bool) -> None:
+        method = scope["method"]
+        failed = self.ctx.engine_failure
+        if failed is not None:  # the engine latched unavailable: every route says so until the exit
+            resp = shaped_error_response(scope, 503, f"The engine failed and the server is stopping: {failed}",
+                                         "service_unavailable", "engine_failed")
+            await resp(scope, receive, send_wrapper)
+            return
+        if not self.ctx.ready:
+            if anthropic:  # the spec's exact Anthropic loading envelope (no code field)
+                resp = anthropic_error_response(503, LOADING_MESSAGE, request_id,
+                                                headers={"Retry-After": "2"})
+            else:
+                resp = error_response(503, LOADING_MESSAGE, "service_unavailable", "model_loading",
+                                      headers={"Retry-After": "2"})
+            await resp(scope, receive, send_wrapper)
+            return
+        preflight = method == "OPTIONS" and "access-control-request-method" in headers
+        if refused_origin:
+            resp = shaped_error_response(
+                scope, 403, f"The origin {origin!r} is not allowed (--cors-origins).", "permission_error",
+                "cors_origin_not_allowed")
+            await resp(scope, receive, send_wrapper)
+            return
+        if preflight and self.ctx.options.cors:
+            await _preflight(headers)(scope, receive, send_wrapper)
+            return
+        exempt = preflight or (method in ("GET", "HEAD") and scope["path"] in ("/health", "/v1/health")) or \
+            self._keyless(scope)
+        if self._key is not None and not exempt and not self._authorized(headers):
+            resp = shaped_error_response(
+                scope, 401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'.", "authentication_error", "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"})
+            await resp(scope, receive, send_wrapper)
+            return
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self._limit:
+            resp = too_large_response(self._limit)
+            if anthropic:
+                resp = shaped_error_response(scope, 413, RequestTooLarge(self._limit).args[0],
+                                             code="request_too_large")
+            await resp(scope, receive, send_wrapper)
+            return
+        await self.app(scope, self._limited(receive), send_wrapper)
 
     def _origin_allowed(self, origin: str, host: str | None) -> bool:
         """--cors allows every origin; --cors-origins the listed ones ("*" any, "localhost" a page

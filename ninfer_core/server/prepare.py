@@ -95,8 +95,10 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
     """Render the chat template to token ids (content as text, markup as control tokens)."""
     tpl = ctx.chat_template
     if tpl is None:
-        raise EngineError(500, "no_chat_template", "The artifact has no chat template; start the server "
-                          "with --chat-template FILE.", type_="server_error")
+        # vLLM's answer too: the request cannot be rendered here (a raw-prompt route still can)
+        raise EngineError(400, "no_chat_template", "This server has no chat template for its model, so chat "
+                          "requests cannot be rendered: send a raw prompt to /v1/completions, or restart the "
+                          "server with --chat-template NAME|FILE.")
     tok = ctx.tokenizer
     kwargs = dict(template_kwargs)
     try:

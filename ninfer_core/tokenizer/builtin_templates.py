@@ -17,6 +17,26 @@ from ninfer_core.tokenizer.chat_template import ChatTemplate, TemplateError
 BUILTIN_TEMPLATES = {"chatml": "chatml.jinja", "qwen35": "qwen35.jinja", "qwen3.5": "qwen35.jinja"}
 
 
+# The built-in template each first-party architecture's model family speaks; a family plugin may
+# instead carry its own as a `chat_template` attribute (source text).
+FAMILY_TEMPLATES = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35", "qwen3_5_text": "qwen35",
+                    "qwen3_5_moe_text": "qwen35"}
+
+
+def family_chat_template(family, architecture: str) -> tuple[str, str] | None:
+    """(source, where it came from) of the chat template a model family bundles, or None.
+
+    Used when an artifact (or a checkpoint being converted) has no template of its own, so chat
+    requests are not refused for a configuration gap the family can fill."""
+    source = getattr(family, "chat_template", None) if family is not None else None
+    if isinstance(source, str) and source.strip():
+        return source, f"the {architecture} model family's template"
+    name = FAMILY_TEMPLATES.get(architecture)
+    if name is not None:
+        return builtin_template_source(name), f"the built-in {name} template of the {architecture} family"
+    return None
+
+
 def builtin_template_source(name: str) -> str:
     return (importlib.resources.files("ninfer_core.tokenizer").joinpath(f"templates/{BUILTIN_TEMPLATES[name]}")
             .read_text(encoding="utf-8"))
