@@ -1,0 +1,109 @@
+"""Gemma 4 attention over the paged KV cache (torch reference path).
+
+Sliding layers attend to the last `window` positions (key p' is visible to query p when
+p - window < p' <= p); global layers to every earlier position. q_norm and k_norm are scaled RMSNorms
+over head_dim, v_norm an unscaled one; the softmax scale is 1 (the norms set the logit size).
+A K=V global layer has no v_proj: its value is the raw key projection, v-normed (no RoPE).
+A KV-shared layer has no K/V projections: it attends over the pages of its source layer, which
+ran earlier in the same forward and has already written this forward's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ninfer_gemma4.config import Gemma4Config
+from ninfer_gemma4.layers import RMSNorm, apply_rotary
+
+
+@dataclass
+class Segment:
+    """One lane's run of new tokens inside the flattened batch."""
+
+    slot: int
+    tables: dict[str, list[int]]  # KV group name -> page ids
+    start: int
+    length: int
+    offset: int
+
+
+@dataclass
+class Context:
+    segments: list[Segment]
+    positions: torch.Tensor  # [N]
+    page_size: int
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # owning layer -> (K, V) [pages, page, kvh, d]
+    group_of: dict[int, str]  # owning layer -> KV group name
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer type -> cos, sin
+    write_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # group -> page, row
+
+
+def grouped_attention(q, k, v, mask):
+    """q [Tq, H, d], k/v [Tk, KVH, d], mask bool [Tq, Tk] -> [Tq, H, d]; GQA by grouping, fp32 softmax."""
+    tq, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    qg = q.reshape(tq, kvh, g, d).permute(1, 2, 0, 3)  # [KVH, G, Tq, d]
+    scores = (qg @ k.permute(1, 2, 0)[:, None]).float()  # [KVH, G, Tq, Tk]
+    scores = scores.masked_fill(~mask[None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = probs @ v.permute(1, 0, 2)[:, None]  # [KVH, G, Tq, d]
+    return out.permute(2, 0, 1, 3).reshape(tq, h, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.heads = cfg.num_attention_heads
+        self.head_dim = cfg.layer_head_dim(layer_idx)
+        self.kv_heads = cfg.layer_kv_heads(layer_idx)
+        self.window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
+        self.source = cfg.kv_source[layer_idx]
+        h, bias, eps = cfg.hidden_size, cfg.attention_bias, cfg.rms_norm_eps
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.owns_kv = self.source == layer_idx
+        if self.owns_kv:
+            self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+            self.v_proj = None if cfg.k_eq_v(layer_idx) else nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        n = x.shape[0]
+        cos, sin = ctx.rope[self.layer_type]
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)), cos, sin)
+        k_cache, v_cache = ctx.kv[self.source]
+        if self.owns_kv:
+            raw = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+            v = raw if self.v_proj is None else self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            k = apply_rotary(self.k_norm(raw), cos, sin)
+            v = self.v_norm(v)
+            page, row = ctx.write_rows[ctx.group_of[self.layer_idx]]
+            k_cache[page, row] = k.to(k_cache.dtype)
+            v_cache[page, row] = v.to(v_cache.dtype)
+        group = ctx.group_of[self.source]
+        out = torch.cat([self._segment(q, k_cache, v_cache, seg, seg.tables[group], ctx) for seg in ctx.segments])
+        return self.o_proj(out.reshape(n, -1).to(x.dtype))
+
+    def _segment(self, q, k_cache, v_cache, seg: Segment, table, ctx: Context):
+        ps = ctx.page_size
+        end = seg.start + seg.length
+        lo = 0 if self.window is None else max(0, seg.start - self.window + 1)
+        first, last = lo // ps, -(-end // ps)
+        idx = torch.tensor(table[first:last], dtype=torch.int64, device=q.device)
+        base = first * ps
+        keys = k_cache[idx].reshape(-1, self.kv_heads, self.head_dim)[lo - base: end - base]
+        vals = v_cache[idx].reshape(-1, self.kv_heads, self.head_dim)[lo - base: end - base]
+        qpos = ctx.positions[seg.offset: seg.offset + seg.length]
+        kpos = torch.arange(lo, end, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]
+        if self.window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - self.window
+        return grouped_attention(q[seg.offset: seg.offset + seg.length], keys, vals, mask)

@@ -1,0 +1,12 @@
+"""Hook implementations of the Gemma 4 family plugin. Importing this module never imports torch."""
+
+from __future__ import annotations
+
+from ninfer_core import hookimpl
+
+ARCHITECTURES = ["gemma4", "gemma4_text"]
+
+
+@hookimpl
+def ninfer_register_model_families(register):
+    register("gemma4", "ninfer_gemma4.family:Gemma4Family", architectures=list(ARCHITECTURES))
