@@ -31,6 +31,7 @@ from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_ma
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop, internal_error
 from ninfer_core.server.output import OutputDecoder, OutputEvent
+from ninfer_core.tokenizer.chat_format import chat_format_of
 from ninfer_core.server.prepare import (
     forced_call_ids,
     forced_call_opener,
@@ -67,6 +68,7 @@ class Prompt:
     # prompt's token count for count_tokens' original_input_tokens.
     context_management: dict | None = None
     original_tokens: int | None = None
+    chat_format: Any = None  # the model's ChatFormat (reasoning and tool-call markup)
 
 
 def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
@@ -99,7 +101,7 @@ def _render(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
         ids += tok.encode(plan.prefill, allow_special=False)  # caller text: never control tokens
     if plan.forced_tool:
         ids += forced_call_ids(tok, plan.forced_tool)
-    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids))
+    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids), chat_format=chat_format_of(tok))
 
 
 def _compile(ctx: ServerContext, plan: MessagesPlan):
@@ -352,9 +354,12 @@ class AnthropicMessages:
 
     @staticmethod
     def _decoder(plan: MessagesPlan, prompt: Prompt) -> OutputDecoder:
+        fmt = prompt.chat_format
+        opener = fmt.tools.forced_opener(plan.forced_tool) if (plan.forced_tool and fmt) else (
+            forced_call_opener(plan.forced_tool) if plan.forced_tool else None)
         return OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
                              parallel_tool_calls=plan.parallel_tool_calls, id_prefix="toolu_",
-                             forced_call=forced_call_opener(plan.forced_tool) if plan.forced_tool else None)
+                             forced_call=opener, chat_format=fmt)
 
     async def _aggregate(self, handle, plan: MessagesPlan, prompt: Prompt, mid: str) -> dict:
         decoder = self._decoder(plan, prompt)

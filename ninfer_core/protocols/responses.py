@@ -36,6 +36,7 @@ from ninfer_core.protocols.responses_output import ResponseBuilder, sse_event
 from ninfer_core.protocols.responses_request import CreatePlan, load_body, parse_request, resolve_thinking
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import bad_request, parse_off_loop
+from ninfer_core.tokenizer.chat_format import chat_format_of
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, logprob_json
 from ninfer_core.server.prepare import (
     ReasoningTokenCounter,
@@ -141,7 +142,7 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
         if prep.history:
             prep.hints.replay = replay_frontier(ctx, prep, plan, messages)
     if plan.tools.forced is not None:
-        prep.forced_opener = forced_call_opener(plan.tools.forced)
+        prep.forced_opener = forced_call_opener(plan.tools.forced, ctx.tokenizer)
         prep.ids += forced_call_ids(ctx.tokenizer, plan.tools.forced)
         prep.opens_reasoning = False
     return prep
@@ -355,7 +356,8 @@ class Responses:
         channel = LogprobChannel(ctx.tokenizer, prep.opens_reasoning) if plan.logprobs else None
         decoder = OutputDecoder(in_reasoning=prep.opens_reasoning, tools=ts.template_tools or None,
                                 parallel_tool_calls=ts.parallel_tool_calls, id_prefix="call_",
-                                forced_call=prep.forced_opener, undeclared_as_text=True)
+                                forced_call=prep.forced_opener, undeclared_as_text=True,
+                                chat_format=chat_format_of(ctx.tokenizer))
         counter = ReasoningTokenCounter(ctx.tokenizer, prep.opens_reasoning)
         run = _Run(ctx, store, plan, prep, builder, decoder, counter, handle, channel)
         if plan.stream:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ninfer_core.engine.api import EngineError, SamplingParams
 from ninfer_core.server.context import ServerContext
+from ninfer_core.tokenizer.chat_format import chat_format_of
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 TOP_K_CAP = 20
@@ -145,7 +146,9 @@ def _is_template_error(e: Exception) -> bool:
 
 
 def think_ids(tokenizer: Any) -> tuple[int | None, int | None]:
-    return tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    """The control tokens that open and close reasoning in the model's chat format."""
+    fmt = chat_format_of(tokenizer)
+    return tokenizer.token_to_id(fmt.reasoning_open_token), tokenizer.token_to_id(fmt.reasoning_close)
 
 
 def opens_reasoning(tokenizer: Any, ids: list[int]) -> bool:
@@ -231,15 +234,14 @@ def collapse_effort(template: Any, effort: str | None) -> str | None:
 
 # -- forced tool calls, thinking budgets, post-thinking ------------------------------------------
 
-def forced_call_opener(name: str) -> str:
-    """The text a prompt ends with to force a call to `name` (Qwen form)."""
-    return f"<tool_call>\n<function={name}>\n"
+def forced_call_opener(name: str, tokenizer: Any = None) -> str:
+    """The text a prompt ends with to force a call to `name` (in the model's chat format)."""
+    return chat_format_of(tokenizer).tools.forced_opener(name)
 
 
 def forced_call_ids(tokenizer: Any, name: str) -> list[int]:
-    """The opener's ids: <tool_call> as its control token, the rest (with the caller's name) as text."""
-    head = tokenizer.encode("<tool_call>", allow_special=True)
-    return head + tokenizer.encode(f"\n<function={name}>\n", allow_special=False)
+    """The opener's ids: its control token as such, the rest (with the caller's name) as text."""
+    return chat_format_of(tokenizer).tools.forced_ids(tokenizer, name)
 
 
 BUDGET_MESSAGE = ("\n\nConsidering the limited time by the user, I have to give the solution based on the "
@@ -250,14 +252,16 @@ def budget_close_ids(ctx: ServerContext) -> list[int]:
     """Guidance + close marker (+ the format newlines) committed at a thinking budget."""
     message = ctx.options.thinking.thinking_budget_message
     text = BUDGET_MESSAGE if message is None else message
-    if "</think>" not in text:
-        text = text + ("" if text.endswith("\n") else "\n") + "</think>"
-    if text.endswith("</think>"):
-        text += "\n\n"
     tok = ctx.tokenizer
-    close = tok.token_to_id("</think>")
+    fmt = chat_format_of(tok)
+    marker = fmt.reasoning_close
+    if marker not in text:
+        text = text + ("" if text.endswith("\n") else "\n") + marker
+    if text.endswith(marker) and fmt.close_needs_space:
+        text += "\n\n"
+    close = tok.token_to_id(marker)
     ids: list[int] = []
-    for i, piece in enumerate(text.split("</think>")):
+    for i, piece in enumerate(text.split(marker)):
         if i:
             ids.append(close)
         if piece:

@@ -96,6 +96,10 @@ class Tokenizer:
 
     @classmethod
     def from_section(cls, section: dict) -> "Tokenizer":
+        if section.get("type") == "tokenizers":  # not byte-level BPE (Gemma): ninfer_core.tokenizer.hf_json
+            from ninfer_core.tokenizer.hf_json import JsonTokenizer
+
+            return JsonTokenizer(section)
         return cls(section)
 
     @property

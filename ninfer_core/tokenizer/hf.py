@@ -130,8 +130,13 @@ def tokenizer_section_from_hf_dir(path) -> dict:
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise TokenizerError(f"{tok_file} not found")
-    data = json.loads(tok_file.read_text(encoding="utf-8"))
+    text = tok_file.read_text(encoding="utf-8")
+    data = json.loads(text)
     model = data.get("model") or {}
+    if model.get("type", "BPE") == "BPE" and model.get("byte_fallback"):  # SentencePiece-style (Gemma)
+        from ninfer_core.tokenizer.hf_json import section_from_tokenizer_json
+
+        return _with_specials(section_from_tokenizer_json(data, text), path)
     if model.get("type", "BPE") != "BPE":
         raise TokenizerError(f"unsupported tokenizer model {model.get('type')!r} (only byte-level BPE)")
     vocab: dict[str, int] = model.get("vocab") or {}
@@ -157,11 +162,22 @@ def tokenizer_section_from_hf_dir(path) -> dict:
         raise TokenizerError(f"byte-level vocab lacks single-byte tokens for {len(missing)} bytes")
     _check_merge_order(vocab, model.get("merges") or [])
 
+    return _with_specials({
+        "type": "bpe",
+        "ranks": _ranks_text(ranks),
+        "pattern": _split_pattern(data.get("pre_tokenizer")),
+        "normalizer": _normalizer(data.get("normalizer")),
+        "added_tokens": sorted(added_tokens, key=lambda t: t["id"]),
+    }, path)
+
+
+def _with_specials(section: dict, path: Path) -> dict:
+    """Add eos_tokens, pad_token and bos_token from tokenizer_config.json and generation_config.json."""
     config: dict = {}
     cfg_file = path / "tokenizer_config.json"
     if cfg_file.is_file():
         config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    by_id = {t["id"]: t["content"] for t in added_tokens}
+    by_id = {t["id"]: t["content"] for t in section["added_tokens"]}
     eos_tokens: list[str] = []
     eos = _token_text(config.get("eos_token"))
     if eos:
@@ -174,16 +190,8 @@ def tokenizer_section_from_hf_dir(path) -> dict:
             if text and text not in eos_tokens:
                 eos_tokens.append(text)
 
-    return {
-        "type": "bpe",
-        "ranks": _ranks_text(ranks),
-        "pattern": _split_pattern(data.get("pre_tokenizer")),
-        "normalizer": _normalizer(data.get("normalizer")),
-        "added_tokens": sorted(added_tokens, key=lambda t: t["id"]),
-        "eos_tokens": eos_tokens,
-        "pad_token": _token_text(config.get("pad_token")),
-        "bos_token": _token_text(config.get("bos_token")),
-    }
+    return {**section, "eos_tokens": eos_tokens, "pad_token": _token_text(config.get("pad_token")),
+            "bos_token": _token_text(config.get("bos_token"))}
 
 
 def qwen35_tokenizer_section() -> dict:

@@ -23,9 +23,12 @@ _START, _REASONING_START, _REASONING, _AFTER_CLOSE, _CONTENT = range(5)
 class ReasoningSplitter:
     """Feed generated text chunks; get ("reasoning"|"content", text) pieces in output order."""
 
-    def __init__(self, in_reasoning: bool):
+    def __init__(self, in_reasoning: bool, open_marker: str = OPEN, close_marker: str = CLOSE,
+                 close_needs_space: bool = True):
+        # the markers come from the model's chat format (ninfer_core.tokenizer.chat_format)
         self._state = _REASONING_START if in_reasoning else _START
         self._buf = ""
+        self._open, self._close, self._needs_space = open_marker, close_marker, close_needs_space
 
     @property
     def in_reasoning(self) -> bool:
@@ -57,10 +60,10 @@ class ReasoningSplitter:
             buf = self._buf
             state = self._state
             if state == _START:
-                if buf.startswith(OPEN):
-                    self._buf = buf[len(OPEN):]
+                if buf.startswith(self._open):
+                    self._buf = buf[len(self._open):]
                     self._state = _REASONING_START
-                elif OPEN.startswith(buf) and not final:
+                elif self._open.startswith(buf) and not final:
                     return
                 else:
                     self._state = _CONTENT
@@ -91,13 +94,14 @@ class ReasoningSplitter:
     def _scan_reasoning(self, out: list, final: bool) -> bool:
         """Emit reasoning up to a closing marker; True when waiting for more text."""
         buf = self._buf
+        close = self._close
         start = 0
         while True:
-            idx = buf.find(CLOSE, start)
+            idx = buf.find(close, start)
             if idx < 0:
                 break
-            after = idx + len(CLOSE)
-            if after == len(buf):
+            after = idx + len(close)
+            if after == len(buf) and self._needs_space:
                 self._emit(out, "reasoning", buf[:idx])
                 if final:
                     self._buf = ""
@@ -105,7 +109,7 @@ class ReasoningSplitter:
                     return False
                 self._buf = buf[idx:]
                 return True
-            if buf[after] in _CLOSE_FOLLOWERS:
+            if not self._needs_space or buf[after] in _CLOSE_FOLLOWERS:
                 self._emit(out, "reasoning", buf[:idx])
                 self._buf = buf[after:]
                 self._state = _AFTER_CLOSE
@@ -113,8 +117,8 @@ class ReasoningSplitter:
             start = idx + 1
         hold = 0
         if not final:
-            for k in range(min(len(CLOSE) - 1, len(buf)), 0, -1):
-                if buf.endswith(CLOSE[:k]):
+            for k in range(min(len(close) - 1, len(buf)), 0, -1):
+                if buf.endswith(close[:k]):
                     hold = k
                     break
         self._emit(out, "reasoning", buf[: len(buf) - hold])
