@@ -79,11 +79,14 @@ def itemsize(d: DType) -> int:
 
 
 def component_of(name: str) -> str:
-    """The component a Hugging Face tensor name belongs to (`mtp.*`, `model.visual.*`/`visual.*`)."""
+    """The component a Hugging Face tensor name belongs to (`mtp.*`; vision: `model.visual.*`/`visual.*`,
+    Gemma 4's `model.vision_tower.*`/`model.embed_vision.*`; audio: `model.audio_tower.*`/`model.embed_audio.*`)."""
     if name.startswith(("mtp.", "mtp_proposal.")):
         return "mtp"
-    if name.startswith("model.visual.") or name.startswith("visual."):
+    if name.startswith(("model.visual.", "visual.", "model.vision_tower.", "model.embed_vision.")):
         return "vision"
+    if name.startswith(("model.audio_tower.", "model.embed_audio.")):  # Gemma 4's audio tower
+        return "audio"
     return "text"
 
 

@@ -15,6 +15,7 @@ import re
 import torch
 
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_gemma4.chat import GEMMA4_TEMPLATE
 from ninfer_gemma4.config import Gemma4Config
 from ninfer_gemma4.model import Gemma4TextModel
 from ninfer_gemma4.runner import Gemma4Runner
@@ -44,6 +45,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 class Gemma4Family(ModelFamily):
     name = "gemma4"
+    chat_template = GEMMA4_TEMPLATE  # stored by `ninfer convert` when a checkpoint has none
 
     def load(self, artifact, device: str = "cpu", dtype: str | None = None, options=None) -> Gemma4Runner:
         dev = torch.device(device)

@@ -122,11 +122,12 @@ def build_tiny_artifact(out, kind: str = "e2b", seed: int = 0, **shrink) -> str:
     import tempfile
 
     from ninfer_core.artifact.convert import convert_hf_dir
+    from ninfer_core.cli import _convert_check
 
     out = os.fspath(out)
     if os.path.exists(out):
         return out
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as tmp:
         hf = write_hf_checkpoint(Path(tmp) / kind, kind=kind, seed=seed, **shrink)
-        convert_hf_dir(hf, out, name=f"gemma4-{kind}-tiny")
+        convert_hf_dir(hf, out, name=f"gemma4-{kind}-tiny", check_manifest=_convert_check)
     return out

@@ -1,0 +1,27 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def gemma_artifacts(tmp_path_factory):
+    """kind -> converted random artifact (E2B-shaped: sliding+global, shared KV, PLE, double-wide MLP;
+    26B-A4B-shaped: K=V global layers and the MoE block)."""
+    from ninfer_gemma4.testing import build_tiny_artifact
+
+    d = tmp_path_factory.mktemp("gemma4")
+    return {kind: build_tiny_artifact(d / f"{kind}.ninfer", kind=kind, seed=i + 1)
+            for i, kind in enumerate(("e2b", "26b-a4b"))}
+
+
+def plugin_flags() -> list[str]:
+    """`--plugin ninfer_gemma4.plugin` unless the package is installed (its entry point loads it)."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "gemma4" for ep in entry_points(group="ninfer")):
+        return []
+    return ["--plugin", "ninfer_gemma4.plugin"]
