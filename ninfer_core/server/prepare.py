@@ -102,6 +102,8 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
                           "server with --chat-template NAME|FILE.")
     tok = ctx.tokenizer
     kwargs = dict(template_kwargs)
+    # the tokenizer's own markers, as transformers passes them (Gemma's template opens with bos_token)
+    kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
     try:
         if hasattr(tpl, "render_ids"):
             ids = list(tpl.render_ids(tok, messages, tools=tools, add_generation_prompt=True,

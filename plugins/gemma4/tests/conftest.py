@@ -25,3 +25,18 @@ def plugin_flags() -> list[str]:
     if any(ep.name == "gemma4" for ep in entry_points(group="ninfer")):
         return []
     return ["--plugin", "ninfer_gemma4.plugin"]
+
+
+@pytest.fixture(scope="session")
+def launch():
+    """tests/conftest.py's launch_server (a real `ninfer serve` subprocess), loaded by path: this
+    folder's tests also run without the repository's tests/ in the session."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "tests" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("ninfer_repo_tests_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod.launch_server
