@@ -90,7 +90,7 @@ def hf_model(config: dict, seed: int = 0, std: float = 0.05):
         model = Gemma4ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or name.endswith(("router.scale", "per_expert_scale")):
+            if "layernorm" in name or name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, std)

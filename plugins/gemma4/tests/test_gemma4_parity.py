@@ -3,11 +3,11 @@ the sliding window, token-by-token decode past the window, a batch of 3 lanes, a
 
 import pytest
 import torch
+from ninfer_gemma4.family import Gemma4Family
+from ninfer_gemma4.testing import hf_model
 
 from ninfer_core.artifact import Artifact
 from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, VERIFY, ForwardBatch, LaneSegment, SeqView
-from ninfer_gemma4.family import Gemma4Family
-from ninfer_gemma4.testing import hf_model
 
 TOL = 1e-4
 PS = 4  # small pages, so a window of 8 spans several
@@ -114,7 +114,7 @@ def test_verify_then_commit_a_prefix(pair):
 
 
 def test_cache_spec_counts_real_bytes(pair):
-    kind, runner, _ = pair
+    _, runner, _ = pair
     cfg, spec = runner.cfg, runner.cache_spec()
     by_name = {g.name: g for g in spec.kv_groups}
     assert by_name["sliding"].window == cfg.sliding_window and by_name["global"].window is None

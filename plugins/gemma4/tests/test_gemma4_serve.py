@@ -11,7 +11,7 @@ import pytest
 from conftest import plugin_flags
 
 pytest.importorskip("openai")
-import openai  # noqa: E402
+import openai
 
 MODEL = "gemma4-e2b-tiny"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
