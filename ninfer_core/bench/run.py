@@ -36,11 +36,10 @@ def _ints(s: str) -> list[int]:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from ninfer_core.bench.shapes import SHAPES
-
-    p.add_argument("--shape", default="qwen3.5-9b",
-                   help=f"model shape: {', '.join(SHAPES)} (random weights made on the device, nothing "
-                        "written), or the path of a .ninfer artifact (its weights)")
+    p.add_argument("--shape", default=None,
+                   help="model shape: a name the installed family plugins register (`ninfer plugins` "
+                        "lists them; default: the one a plugin marks as default), random weights made on "
+                        "the device, nothing written; or the path of a .ninfer artifact (its weights)")
     p.add_argument("--device", default="cuda", help="torch device (cuda, cuda:N; cpu only for smoke runs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--prefill-lens", type=_ints, default=[512, 4096, 16384],
@@ -354,7 +353,7 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     loopback) and straight into the engine; total generated tokens over wall time for each."""
     import uvicorn
 
-    from ninfer_core.bench.text_tokenizer import covering_section, text_coverage
+    from ninfer_core.bench.text_tokenizer import covering_section, template_controls, text_coverage
     from ninfer_core.config import EngineOptions, ServeOptions
     from ninfer_core.engine.api import GenerationRequest, SamplingParams
     from ninfer_core.engine.engine import Engine
@@ -363,8 +362,12 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     from ninfer_core.server.prepare import default_sampling_presets
     from ninfer_core.server.serve import bind_socket
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_format import attach
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
+    template_source = art.chat_template or getattr(family, "chat_template", None)
+    if not template_source:
+        raise RuntimeError("the artifact has no chat template and its family bundles none")
     tok = Tokenizer.from_section(art.tokenizer_section)
     # Random weights sample ids over the whole vocabulary: with a tokenizer that leaves most of
     # them without text (the small one of the named shapes, a tiny test artifact) the streams would
@@ -372,12 +375,16 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     vocab = runner.info.vocab_size
     coverage = text_coverage(tok, vocab)
     tokenizer_used = "artifact"
-    if coverage < MIN_TEXT_COVERAGE:
-        tok = Tokenizer.from_section(covering_section(vocab))
-        tokenizer_used = f"bench (every id a printable token; the artifact's gives text for {coverage:.1%})"
-    template = ChatTemplate(art.chat_template or QWEN35_TEMPLATE)
-    clients = max(args.http_clients)
+    template = ChatTemplate(template_source)
     messages = [{"role": "user", "content": "Benchmark prompt number {i}: say anything."}]
+    if coverage < MIN_TEXT_COVERAGE:
+        # only the control tokens the bench's own prompts render (with thinking on and off)
+        rendered = template.render(messages) + template.render(messages, enable_thinking=False)
+        tok = Tokenizer.from_section(covering_section(vocab, template_controls(art.tokenizer_section, rendered)))
+        tokenizer_used = f"bench (every id a printable token; the artifact's gives text for {coverage:.1%})"
+    if hasattr(family, "chat_format"):  # the family's markup, as the server's loader attaches it
+        attach(tok, family.chat_format(art))
+    clients = max(args.http_clients)
     prompt_len = len(tok.encode(template.render(messages)))
     max_context = prompt_len + args.http_tokens + 64
     eng_opts = EngineOptions(max_context=max_context, kv_capacity=clients * max_context, max_concurrency=clients,
@@ -463,7 +470,7 @@ def run_bench(a: argparse.Namespace) -> int:
         return run_replay(a)
     import torch
 
-    from ninfer_core.bench.shapes import SHAPES
+    from ninfer_core.bench.shapes import default_shape, shapes
     from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
 
     device = torch.device(a.device)
@@ -480,6 +487,13 @@ def run_bench(a: argparse.Namespace) -> int:
     except PluginError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    SHAPES = shapes(host)
+    if a.shape is None:
+        a.shape = default_shape(host)
+        if a.shape is None:
+            print("error: no installed family plugin registers a bench shape: name an artifact with --shape",
+                  file=sys.stderr)
+            return 1
 
     if a.shape in SHAPES:
         hf_config = SHAPES[a.shape]

@@ -36,7 +36,6 @@ from ninfer_core.protocols.responses_output import ResponseBuilder, sse_event
 from ninfer_core.protocols.responses_request import CreatePlan, load_body, parse_request, resolve_thinking
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import bad_request, parse_off_loop
-from ninfer_core.tokenizer.chat_format import chat_format_of
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, logprob_json
 from ninfer_core.server.prepare import (
     ReasoningTokenCounter,
@@ -57,6 +56,7 @@ from ninfer_core.server.sse import (
 )
 from ninfer_core.structured.formats import with_instruction
 from ninfer_core.structured.request import compile_request, make_constraint
+from ninfer_core.tokenizer.chat_format import chat_format_of, turn_opener_id
 
 log = logging.getLogger("ninfer.server")
 SESSION_KEY_MAX = 64
@@ -137,7 +137,7 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
     prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
     if checkpoints:
         prep.hints = prompt_hints(ctx, prep.ids, kwargs)
-        prep.hints.markers = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), messages,
+        prep.hints.markers = breakpoint_markers(prep.ids, turn_opener_id(ctx.tokenizer), messages,
                                                 bool(plan.tools.template_tools))
         if prep.history:
             prep.hints.replay = replay_frontier(ctx, prep, plan, messages)
@@ -171,7 +171,7 @@ def replay_frontier(ctx: ServerContext, prep: Prepared, plan: CreatePlan, messag
         return None
     flagged = [{key: v for key, v in m.items() if key != BREAKPOINT_KEY} for m in messages]
     flagged[k - 1][BREAKPOINT_KEY] = True  # "a marker ends the last replayed message"
-    marks = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), flagged,
+    marks = breakpoint_markers(prep.ids, turn_opener_id(ctx.tokenizer), flagged,
                                bool(plan.tools.template_tools))
     return marks[0] if marks else None
 

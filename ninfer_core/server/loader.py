@@ -116,7 +116,11 @@ class Loader:
 
                 ctx.structured = StructuredOutput(tokenizer, int(info.vocab_size))
                 ctx.structured.warm()
-            ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
+            from ninfer_core.tokenizer.chat_format import chat_format_of
+
+            ctx.sampling_presets = default_sampling_presets(
+                self.artifact.architecture, family, generation=getattr(self.artifact, "generation", None),
+                chat_format=chat_format_of(tokenizer))
             if self.template is not None and engine.cache is not None:
                 from ninfer_core.engine.turn_markers import template_turn_markers
 

@@ -15,9 +15,11 @@ dec.reasoning, dec.content, dec.tool_calls   # aggregates (equal to the concaten
 dec.parse                                      # ParseResult diagnostics after finish() (no text in logs!)
 ```
 
-- Reasoning/content split: `ReasoningSplitter` (a `</think>` quoted inside reasoning stays
-  reasoning; the format newlines around the close are dropped).
-- Without `tools` (None or empty: no tools, or tool_choice none) content passes through as is.
+- Reasoning/content split: `ReasoningSplitter` with the markers of the model's `ChatFormat` (a
+  close marker quoted inside reasoning stays reasoning; the format newlines around the close are
+  dropped). A format without reasoning markers has no reasoning channel.
+- Without `tools` (None or empty: no tools, or tool_choice none), or with a format that states no
+  tool-call syntax, content passes through as is.
 - With `tools`, content streams immediately except (a) a suffix that may still become a tool-call
   marker, (b) trailing whitespace (dropped if a call follows it), and (c) everything from the first
   marker whose region opens a function: that region is held to the end, because only the whole
@@ -37,7 +39,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from ninfer_core.tokenizer.chat_format import ChatFormat, chat_format_of, default_format
+from ninfer_core.tokenizer.chat_format import ChatFormat, chat_format_of, default_format, token_id
 from ninfer_core.tokenizer.reasoning import ReasoningSplitter
 from ninfer_core.tokenizer.toolcalls import MAX_MARKERS, ParseResult, schema_map
 
@@ -71,10 +73,10 @@ class OutputDecoder:
                  chat_format: ChatFormat | None = None):
         fmt = chat_format or default_format()
         self._syntax = fmt.tools
-        self._longest = max(len(m) for m in fmt.tools.markers)
-        self._splitter = ReasoningSplitter(in_reasoning, fmt.reasoning_open, fmt.reasoning_close,
-                                           fmt.close_needs_space)
-        self._schemas = schema_map(tools) if tools else None
+        self._longest = max((len(m) for m in fmt.tools.markers), default=0) if fmt.tools is not None else 0
+        self._splitter = ReasoningSplitter(in_reasoning and fmt.has_reasoning, fmt.reasoning_open,
+                                           fmt.reasoning_close, fmt.close_needs_space)
+        self._schemas = schema_map(tools) if (tools and fmt.tools is not None) else None
         self._parallel = parallel_tool_calls
         self._undeclared_as_text = undeclared_as_text
         self._id_prefix = id_prefix
@@ -222,8 +224,8 @@ class LogprobChannel:
     def __init__(self, tokenizer, in_reasoning: bool):
         self._tok = tokenizer
         fmt = chat_format_of(tokenizer)
-        self._open = tokenizer.token_to_id(fmt.reasoning_open_token)
-        self._close = tokenizer.token_to_id(fmt.reasoning_close)
+        self._open = token_id(tokenizer, fmt.reasoning_open_token)
+        self._close = token_id(tokenizer, fmt.reasoning_close)
         self._state = "reasoning" if (in_reasoning and self._close is not None) else "start"
 
     def take(self, token_ids: list[int], records: list | None) -> list:

@@ -1,4 +1,4 @@
-"""Tokenizers that are not byte-level BPE (SentencePiece-style BPE with byte fallback, as Gemma's),
+"""Tokenizers that are not byte-level BPE (SentencePiece-style BPE with byte fallback),
 run from their tokenizer.json by the `tokenizers` library.
 
 Section (manifest["tokenizer"]): {"type": "tokenizers", "json": <tokenizer.json text>,

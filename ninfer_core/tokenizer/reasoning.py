@@ -1,10 +1,13 @@
-"""Streaming split of generated text into the reasoning and content channels (<think>/</think>).
+"""Streaming split of generated text into the reasoning and content channels.
 
-Rules (spec, "OpenAI Chat Completions"):
-- Reasoning is open from the start when the prompt ended inside a think block (in_reasoning=True),
-  or when the output begins with "<think>". One "\\n" right after the opening belongs to the format.
-- Reasoning closes only at a "</think>" followed by whitespace or the end of output; a marker the
-  model quotes while reasoning (followed by anything else) stays reasoning text.
+The open and close markers are the model's (its family's `ChatFormat`); without them (None) all
+text is content. Rules (spec, "OpenAI Chat Completions"):
+- Reasoning is open from the start when the prompt ended inside a reasoning block
+  (in_reasoning=True), or when the output begins with the open marker. One "\\n" right after the
+  opening belongs to the format.
+- Reasoning closes only at a close marker followed by whitespace or the end of output (with
+  close_needs_space; otherwise at any close marker); a marker the model quotes while reasoning
+  (followed by anything else) stays reasoning text.
 - The "\\n\\n" (or single "\\n") right after the closing marker belongs to the format, not the content.
 - After reasoning closes, everything is content, including any further markers.
 Only a suffix that may still become a marker (or the format newlines around one) is held back;
@@ -13,8 +16,6 @@ finish() flushes it.
 
 from __future__ import annotations
 
-OPEN = "<think>"
-CLOSE = "</think>"
 _CLOSE_FOLLOWERS = frozenset(" \t\r\n\f\v")
 
 _START, _REASONING_START, _REASONING, _AFTER_CLOSE, _CONTENT = range(5)
@@ -23,10 +24,13 @@ _START, _REASONING_START, _REASONING, _AFTER_CLOSE, _CONTENT = range(5)
 class ReasoningSplitter:
     """Feed generated text chunks; get ("reasoning"|"content", text) pieces in output order."""
 
-    def __init__(self, in_reasoning: bool, open_marker: str = OPEN, close_marker: str = CLOSE,
+    def __init__(self, in_reasoning: bool, open_marker: str | None, close_marker: str | None,
                  close_needs_space: bool = True):
         # the markers come from the model's chat format (ninfer_core.tokenizer.chat_format)
-        self._state = _REASONING_START if in_reasoning else _START
+        if not (open_marker and close_marker):
+            self._state = _CONTENT
+        else:
+            self._state = _REASONING_START if in_reasoning else _START
         self._buf = ""
         self._open, self._close, self._needs_space = open_marker, close_marker, close_needs_space
 

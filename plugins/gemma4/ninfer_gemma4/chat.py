@@ -15,7 +15,7 @@ import importlib.resources
 import json
 import re
 
-from ninfer_core.tokenizer.chat_format import ChatFormat
+from ninfer_core.tokenizer.chat_format import ChatFormat, JudgePrompt
 from ninfer_core.tokenizer.toolcalls import MALFORMED_TOOL, MAX_MARKERS, ParsedCall, ParseResult
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -208,5 +208,16 @@ class GemmaToolSyntax:
         return tokenizer.encode(CALL_OPEN, allow_special=True) + tokenizer.encode(f"call:{name}{{", allow_special=False)
 
 
-GEMMA4_CHAT_FORMAT = ChatFormat("gemma4", reasoning_open="<|channel>thought", reasoning_close="<channel|>",
-                                close_needs_space=False, tools=GemmaToolSyntax())
+# Google's recommended sampling for Gemma 4 (the published generation_config.json), both modes
+SAMPLING_PRESET = {"temperature": 1.0, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+GEMMA4_CHAT_FORMAT = ChatFormat(
+    "gemma4", reasoning_open="<|channel>thought", reasoning_close="<channel|>", close_needs_space=False,
+    tools=GemmaToolSyntax(), turn_opener="<|turn>", assistant_role="model",
+    # tool results are written inside the model turn (`<|tool_response>`), never as a user turn
+    tool_result_open=None,
+    judge=JudgePrompt(head="<bos><|turn>system\n{system}<turn|>\n<|turn>user\n",
+                      tail="<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"),
+    sampling={"thinking": SAMPLING_PRESET, "non_thinking": SAMPLING_PRESET},
+)

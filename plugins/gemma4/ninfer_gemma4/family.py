@@ -74,10 +74,9 @@ class Gemma4Family(ModelFamily):
         return GEMMA4_CHAT_FORMAT
 
     def sampling_presets(self, architecture: str) -> dict | None:
-        # Google's recommended sampling for Gemma 4 (the published generation_config.json)
-        preset = {"temperature": 1.0, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
-                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
-        return {"thinking": dict(preset), "non_thinking": dict(preset)}
+        from ninfer_gemma4.chat import SAMPLING_PRESET
+
+        return {"thinking": dict(SAMPLING_PRESET), "non_thinking": dict(SAMPLING_PRESET)}
 
 
 def text_state(artifact, cfg: Gemma4Config) -> dict[str, torch.Tensor]:

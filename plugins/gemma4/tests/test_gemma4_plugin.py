@@ -13,3 +13,14 @@ def test_family_registers_both_architectures():
     host = PluginHost(PluginSelection(names=["ninfer_gemma4.plugin"]), builtins=[]).load()
     for arch in ("gemma4", "gemma4_text"):
         assert host.family_for_architecture(arch).name == "gemma4"
+
+
+def test_gemma4_template_is_a_built_in_name():
+    from ninfer_gemma4.chat import GEMMA4_TEMPLATE
+
+    from ninfer_core.plugins import PluginHost, PluginSelection
+    from ninfer_core.tokenizer.builtin_templates import resolve_chat_template
+
+    host = PluginHost(PluginSelection.from_sources(["ninfer_gemma4.plugin"]), builtins=[])
+    assert host.registry("chat_template")["gemma4"].load() == GEMMA4_TEMPLATE
+    assert resolve_chat_template("gemma4", host).source == GEMMA4_TEMPLATE
