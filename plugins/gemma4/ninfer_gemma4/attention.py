@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ninfer_gemma4.config import Gemma4Config
+from ninfer_gemma4.gpu.attention import paged_attention, use_triton
 from ninfer_gemma4.layers import RMSNorm, apply_rotary
 
 
@@ -39,6 +40,17 @@ class Context:
     group_of: dict[int, str]  # owning layer -> KV group name
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer type -> cos, sin
     write_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # group -> page, row
+    device_tables: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> int32 [B, W] (kernel path)
+
+    def tables_of(self, group: str, device) -> torch.Tensor:
+        """The segments' page tables of `group` as one padded int32 tensor, built once per forward."""
+        t = self.device_tables.get(group)
+        if t is None:
+            rows = [list(seg.tables[group]) for seg in self.segments]
+            width = max(1, max(len(r) for r in rows))
+            t = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+            self.device_tables[group] = t
+        return t
 
 
 def grouped_attention(q, k, v, mask):
@@ -89,6 +101,11 @@ class Attention(nn.Module):
             k_cache[page, row] = k.to(k_cache.dtype)
             v_cache[page, row] = v.to(v_cache.dtype)
         group = ctx.group_of[self.source]
+        if use_triton(q) and _flat(ctx.segments):  # the Triton kernel over every lane at once (GPU path)
+            out = paged_attention(q.contiguous(), k_cache, v_cache, ctx.tables_of(group, q.device),
+                                  [seg.start for seg in ctx.segments], [seg.length for seg in ctx.segments],
+                                  self.window or 0, 1.0)
+            return self.o_proj(out.reshape(n, -1).to(x.dtype))
         out = torch.cat([self._segment(q, k_cache, v_cache, seg, seg.tables[group], ctx) for seg in ctx.segments])
         return self.o_proj(out.reshape(n, -1).to(x.dtype))
 
@@ -107,3 +124,13 @@ class Attention(nn.Module):
         if self.window is not None:
             mask &= kpos[None, :] > qpos[:, None] - self.window
         return grouped_attention(q[seg.offset: seg.offset + seg.length], keys, vals, mask)
+
+
+def _flat(segments) -> bool:
+    """Segments laid out back to back in lane order (what the kernel's row offsets assume)."""
+    off = 0
+    for seg in segments:
+        if seg.offset != off:
+            return False
+        off += seg.length
+    return True

@@ -1,0 +1,141 @@
+"""Cases of the Gemma 4 attention kernel checks (run by test_gemma4_kernels.py, in a subprocess
+with TRITON_INTERPRET=1 on the CPU, or directly on CUDA by tests/gpu)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ninfer_gemma4.gpu.attention import paged_attention, ref_paged_attention, use_triton
+
+
+def dense_attention(q_rows, keys, vals, qpos, window, scale):
+    """Plain attention over a contiguous key run (an independent check of the paged reference)."""
+    n, h, d = q_rows.shape
+    kvh = keys.shape[1]
+    g = h // kvh
+    kpos = torch.arange(keys.shape[0])
+    mask = kpos[None, :] <= qpos[:, None]
+    if window > 0:
+        mask &= kpos[None, :] > qpos[:, None] - window
+    out = torch.empty(n, h, d, dtype=torch.float64)
+    for hh in range(h):
+        s = (q_rows[:, hh].double() @ keys[:, hh // g].double().T) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        out[:, hh] = torch.softmax(s, dim=-1) @ vals[:, hh // g].double()
+    return out
+
+
+def build(starts, qlens, h, kvh, d, window, page, dtype=torch.float32, device="cpu", seed=0):
+    """Random caches and queries; each lane's pages are scattered over the pool, and with a window
+    the pages wholly behind every query's window point at a page full of NaN (never to be read)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    ends = [s + n for s, n in zip(starts, qlens)]
+    need = [-(-e // page) for e in ends]
+    num_pages = sum(need) + 1
+    k_cache = torch.randn(num_pages, page, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, page, kvh, d, generator=gen).to(dtype)
+    poison = num_pages - 1
+    k_cache[poison] = float("nan")
+    v_cache[poison] = float("nan")
+    ids = list(range(num_pages - 1))
+    rng.shuffle(ids)
+    tables, dense_k, dense_v = [], [], []
+    for b, (s, n) in enumerate(zip(starts, qlens)):
+        table = [ids.pop() for _ in range(need[b])]
+        dense_k.append(k_cache[table].reshape(-1, kvh, d)[: ends[b]].clone())
+        dense_v.append(v_cache[table].reshape(-1, kvh, d)[: ends[b]].clone())
+        if window > 0:
+            lo = max(0, s - window + 1)
+            table = [poison if (i + 1) * page <= lo else p for i, p in enumerate(table)]
+        tables.append(table)
+    q = torch.randn(sum(qlens), h, d, generator=gen).to(dtype)
+    return (q.to(device), k_cache.to(device), v_cache.to(device), tables, dense_k, dense_v)
+
+
+SHAPES = [  # (starts, qlens, H, KVH, D, window, page)
+    ([0, 37, 150], [40, 7, 1], 4, 2, 32, 48, 16),  # a sliding prefill crossing the window, chunks of 7, decode
+    ([0, 37, 150], [40, 7, 1], 4, 1, 64, 0, 16),  # global (no window), G = 4
+    ([5, 63, 64, 200], [1, 1, 1, 1], 8, 2, 48, 32, 16),  # a decode batch at page edges, D not a power of 2
+    ([100], [33], 2, 2, 32, 20, 16),  # window narrower than the chunk
+]
+
+
+def check(dtype=torch.float32, device="cpu", tol=1e-4, shapes=SHAPES):
+    worst = 0.0
+    for i, (starts, qlens, h, kvh, d, window, page) in enumerate(shapes):
+        q, kc, vc, tables, dk, dv = build(starts, qlens, h, kvh, d, window, page, dtype, device, seed=i)
+        scale = 1.0 if i % 2 == 0 else d ** -0.5
+        ref = ref_paged_attention(q.cpu().float(), kc.cpu().float(), vc.cpu().float(), tables, starts, qlens,
+                                  window, scale)
+        off = 0
+        for b, (s, n) in enumerate(zip(starts, qlens)):
+            want = dense_attention(q[off: off + n].cpu().float(), dk[b].float(), dv[b].float(),
+                                   torch.arange(s, s + n), window, scale)
+            assert torch.allclose(ref[off: off + n].double(), want, atol=1e-5), f"reference wrong in shape {i}"
+            off += n
+        assert use_triton(q), "the kernel would not run"
+        got = paged_attention(q, kc, vc, tables, starts, qlens, window, scale).float().cpu()
+        assert torch.isfinite(got).all(), f"shape {i}: non-finite output (a page behind the window was read?)"
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, err)
+        assert err <= tol, f"shape {i}: max relative error {err:.2e} > {tol}"
+    print(f"gemma4 paged attention: worst max relative error {worst:.2e} over {len(shapes)} shapes ({dtype})")
+
+
+def interpreted():
+    check()
+
+
+def runner_interpret():
+    """The Gemma 4 runner with the interpreted kernel against its torch path, on both test shapes
+    (sliding + global, shared KV, K=V): a batch of 3 prefills (one crossing the window), chunks of 7
+    across it, then batched decode steps past it."""
+    import tempfile
+
+    import ninfer_gemma4.attention as attention
+    from ninfer_gemma4.family import Gemma4Family
+    from ninfer_gemma4.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment
+
+    ids = [int(x) for x in torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(3))]
+    kernel = attention.use_triton
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, kind in enumerate(("e2b", "26b-a4b")):
+            runner = Gemma4Family().load(Artifact.open(build_tiny_artifact(f"{tmp}/{kind}.ninfer", kind=kind,
+                                                                           seed=seed + 1, window=20)))
+            groups = runner.cache_spec().group_names
+
+            def run(use, runner=runner, groups=groups):
+                attention.use_triton = use
+                runner.free_cache()
+                runner.allocate_cache(24, 3, page_size=16)
+                tab = {i: {g: list(range(i * 8, i * 8 + 8)) for g in groups} for i in range(3)}
+                prompts = [ids[:45], ids[5:12], ids[20:27]]
+                outs = [o.logits for o in runner.forward(ForwardBatch(
+                    [LaneSegment(i, tab[i], 0, p, logits=LOGITS_ALL) for i, p in enumerate(prompts)]))]
+                lens = [len(p) for p in prompts]
+                for s in range(0, 14, 7):  # lanes 1 and 2 continue in chunks of 7 past the window
+                    outs += [o.logits for o in runner.forward(ForwardBatch(
+                        [LaneSegment(i, tab[i], lens[i] + s, ids[30 + s: 37 + s], logits=LOGITS_ALL) for i in (1, 2)]))]
+                lens = [lens[0], lens[1] + 14, lens[2] + 14]
+                for step in range(3):
+                    outs += [o.logits for o in runner.forward(ForwardBatch(
+                        [LaneSegment(i, tab[i], lens[i] + step, [ids[50 + step]], DECODE) for i in range(3)]))]
+                return outs
+
+            try:
+                want = run(lambda t: False)
+                got = run(kernel)
+            finally:
+                attention.use_triton = kernel
+            for a, b in zip(got, want):
+                err = float((a - b).abs().max() / b.abs().max())
+                worst = max(worst, err)
+                assert err <= 1e-4, f"{kind}: runner with the kernel differs by {err:.2e}"
+    print(f"gemma4 runner with interpreted kernels: worst max relative logits error {worst:.2e}")
