@@ -63,7 +63,8 @@ class ServerMiddleware:
         self._origins = ctx.options.cors_origins  # None: any origin (--cors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("state", {}).get("routed"):
+            # routed: a router's front already applied these checks (ninfer_core.router.front)
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()

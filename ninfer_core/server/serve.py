@@ -54,6 +54,10 @@ def _spec_plugins(host: PluginHost) -> set[str]:
 
 def run_serve(args, host: PluginHost | None = None) -> int:
     """`ninfer serve`; `host` is the plugin host the command line was parsed with (cli.main)."""
+    if (getattr(args, "models_dir", None) or getattr(args, "models_preset", None)) and not args.artifact:
+        from ninfer_core.router.serve import run_router  # several models: spec "Several models (router)"
+
+        return run_router(args, host or PluginHost(PluginSelection.from_sources(args.plugin)))
     try:
         options = options_from_args(args)
     except ValueError as e:  # a refused option combination (e.g. --no-prefix-reuse with a capacity)
