@@ -183,6 +183,9 @@ class ModelManager:
             return 1
         return self.models_max - sum(1 for s in self.slots if s.occupies and s is not want)
 
+    def _giving_back(self) -> bool:
+        return any(s.moving and s.status in (UNLOADING, SLEEPING) for s in self.slots)
+
     def _victim(self, want: ModelSlot) -> ModelSlot | None:
         idle = [s for s in self.slots if s is not want and s.status == LOADED and not s.moving and not s.in_flight]
         return min(idle, key=lambda s: s.last_used) if idle else None
@@ -226,7 +229,7 @@ class ModelManager:
                             else:
                                 self._spawn(self._wake(slot))
                             self._notify()
-                        else:
+                        elif not self._giving_back():  # one eviction at a time frees one place
                             victim = self._victim(slot)
                             if victim is not None:
                                 self._spawn(self._make_room(victim))
