@@ -69,7 +69,7 @@ def body_model(body: bytes) -> str | None:
     then reports any malformed body in its own protocol's shape."""
     try:
         data = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's route reports it in its own shape
         return None
     m = data.get("model") if isinstance(data, dict) else None
     return m if isinstance(m, str) and m else None
@@ -101,25 +101,31 @@ class RouterFront:
             return not (named and path in ("/props", "/metrics", "/slots", "/v1/load", "/stats"))
         return False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, inner: ASGIApp | None = None) -> None:
         if scope["type"] != "http":
             await self.own(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
         q = query(scope)
         name = (q.get("model") or [None])[-1]
+        if method in ("HEAD", "OPTIONS") and inner is not None:
+            await inner(scope, receive, send)
+            return
         if method in ("HEAD", "OPTIONS") or self._is_own(method, path, bool(name)):
             await self.own(scope, receive, send)
             return
         messages: list[Message] = []
         if method == "POST":
             body, messages = await read_body(receive)
-            name = body_model(body) or name
+            name = (None if self.single else body_model(body)) or name
         elif method == "GET" and path.startswith("/v1/models/"):
             name = path[len("/v1/models/"):]
         try:
-            slot = self._slot(name)
-            await self._forward(slot, scope, replay(messages, receive), send, method, path)
+            slot = self._slot(name) if not self.single else self.manager.slots[0]
+            if self.single and method != "POST":  # the one model's reads answer as before, loaded or not
+                await inner(scope, replay(messages, receive), send)
+                return
+            await self._forward(slot, scope, replay(messages, receive), send, method, path, inner)
         except EngineError as e:
             await error(scope, e)(scope, receive, send)
 
@@ -141,7 +147,7 @@ class RouterFront:
         return slot
 
     async def _forward(self, slot: ModelSlot, scope: Scope, receive: Receive, send: Send, method: str,
-                       path: str) -> None:
+                       path: str, inner: ASGIApp | None = None) -> None:
         m = self.manager
         generation = method == "POST" and path not in HOST_ONLY
         reading = method not in ("POST",)
@@ -164,7 +170,10 @@ class RouterFront:
                     raise EngineError(503, "model_not_loaded", f"The model '{slot.name}' is {what} and autoload is "
                                       "off: load it with POST /models/load first.", param="model")
                 await m.acquire(slot, wake=generation)
-            await slot.loaded.app(_routed(scope), receive, send)
+            if inner is not None:  # a single-model server: its own app, below its middleware
+                await inner(scope, receive, send)
+            else:
+                await slot.loaded.app(_routed(scope), receive, send)
         finally:
             m.leave(slot, used=not reading)
 

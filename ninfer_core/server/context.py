@@ -117,6 +117,7 @@ class ServerContext:
     engine_failure: str | None = None
     # Model suspend (ninfer_core.router.residency.Residency) when the model can be put to sleep
     residency: Any = None
+    gate: Any = None  # ninfer_core.router.single.SingleGate: ServerMiddleware hands it each request
     process_start_unix: float = field(default_factory=lambda: process_start_time())  # /metrics header
     _ready: threading.Event = field(default_factory=threading.Event)
 

@@ -161,6 +161,10 @@ class ServerMiddleware:
                                              code="request_too_large")
             await resp(scope, receive, send_wrapper)
             return
+        gate = self.ctx.gate  # the lifecycle API and model suspend (ninfer_core.router.single)
+        if gate is not None:
+            await gate(scope, self._limited(receive), send_wrapper, self.app)
+            return
         await self.app(scope, self._limited(receive), send_wrapper)
 
     def _origin_allowed(self, origin: str, host: str | None) -> bool:
