@@ -127,7 +127,7 @@ def lifecycle_routes(router: APIRouter, manager: ModelManager) -> None:
                 while True:
                     try:
                         line = await asyncio.wait_for(q.get(), SSE_KEEPALIVE_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         yield ": keep-alive\n\n"
                         continue
                     yield f"data: {line}\n\n"

@@ -122,8 +122,8 @@ def build_catalog(models_dir: str | None, preset: str | None, parser: argparse.A
         cp = read_preset(preset)
         base = Path(preset).resolve().parent
         common = section_args(cp["*"], parser, f"{preset} [*]") if cp.has_section("*") else []
-        for name in entries:
-            entries[name].preset_args = list(common)
+        for entry in entries.values():
+            entry.preset_args = list(common)
         for name in cp.sections():
             if name == "*":
                 continue

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ninfer_core.engine.api import EngineError
 from ninfer_core.router.manager import ModelManager
 from ninfer_core.router.slots import LOADED, SLEEPING, ModelSlot
-from ninfer_core.server.errors import shaped_error_response
+from ninfer_core.server.errors import RequestTooLarge, shaped_error_response
 
 HOST_ONLY = {"/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens",
              "/v1/responses/input_tokens", "/responses/input_tokens", "/v1/chat/completions/input_tokens",
@@ -115,9 +115,13 @@ class RouterFront:
             await self.own(scope, receive, send)
             return
         messages: list[Message] = []
-        if method == "POST":
-            body, messages = await read_body(receive)
-            name = (None if self.single else body_model(body)) or name
+        if method == "POST" and not self.single:  # the one model of a single server needs no name
+            try:
+                body, messages = await read_body(receive)
+            except RequestTooLarge as e:
+                await shaped_error_response(scope, 413, e.args[0], code="request_too_large")(scope, receive, send)
+                return
+            name = body_model(body) or name
         elif method == "GET" and path.startswith("/v1/models/"):
             name = path[len("/v1/models/"):]
         try:

@@ -70,7 +70,7 @@ class ModelManager:
         ev = self._changed
         try:
             await asyncio.wait_for(ev.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _set_status(self, slot: ModelSlot, status: str) -> None:

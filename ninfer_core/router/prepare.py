@@ -46,7 +46,7 @@ def model_options(args: argparse.Namespace, host: Any) -> ServeOptions:
             spec_reg.load().check_options(options.plugin_options)
     except (PluginError, ValueError) as e:
         raise PrepareError(str(e)) from None
-    options._spec_reg = spec_reg  # noqa: SLF001 - carried to prepare() with the options
+    options._spec_reg = spec_reg
     return options
 
 

@@ -95,7 +95,7 @@ def _walk_roots(roots: list[Any]) -> list[tuple[Any, bool]]:
 
 def _model_object(obj: Any) -> bool:
     mod = getattr(type(obj), "__module__", "") or ""
-    return (mod.startswith("ninfer") or mod.startswith("plugins.")) and not isinstance(obj, type) and \
+    return mod.startswith(("ninfer", "plugins.")) and not isinstance(obj, type) and \
         not callable(getattr(obj, "__func__", None))
 
 

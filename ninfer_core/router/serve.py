@@ -51,7 +51,7 @@ class RouterBackend:
         options.api_key, options.cors, options.cors_origins = None, False, None
         options.model_id, options.aliases = slot.name, list(slot.aliases)
         options.request_log_jsonl, options.no_webui, options.webui_dir = None, True, None
-        options._model_suspend = slot.model_suspend  # noqa: SLF001
+        options._model_suspend = slot.model_suspend
         check_suspend(options, resolve_device(options.engine.device))
         prepared = prepare(options, self.host)
         ctx = ServerContext(options=options, plugins=self.host)

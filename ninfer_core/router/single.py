@@ -72,5 +72,5 @@ class SingleGate:
                 slot.do_load()  # adopts the model the server's startup loaded: no blocking work
                 slot.name = self.backend.ctx.model.id
                 self.manager.by_name = {slot.name: slot}
-                self.manager._set_status(slot, LOADED)  # noqa: SLF001
+                self.manager._set_status(slot, LOADED)
         await self.front(scope, receive, send, inner=inner)

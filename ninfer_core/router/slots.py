@@ -103,8 +103,8 @@ def _empty_device_cache() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    except Exception as e:  # noqa: BLE001 - best effort
+        log.debug("emptying the CUDA cache: %s", e)
 
 
 def stop_loaded(loaded: Loaded) -> None:

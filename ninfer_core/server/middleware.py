@@ -107,7 +107,7 @@ class ServerMiddleware:
 
         try:
             await self._serve(scope, receive, send_wrapper, request_id, anthropic, headers, origin, refused_origin)
-        except Exception:  # noqa: BLE001 - the last line of defence keeps the envelope and headers
+        except Exception:
             log.exception("internal error on %s %s", method, scope.get("path"))
             if not started:
                 resp = shaped_error_response(scope, 500, "Internal server error.", "server_error",

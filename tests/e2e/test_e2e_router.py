@@ -408,5 +408,21 @@ def test_bad_preset_fails_startup(launch, tmp_path, models_dir):
                          ("[x]\nmodel = a.ninfer\nport = 9\n", "router's own option")):
         preset.write_text(text)
         p = subprocess.run([sys.executable, "-m", "ninfer_core.cli", "serve", "--models-preset", str(preset),
-                            "--port", "0"], capture_output=True, text=True, timeout=60)
+                            "--port", "0"], capture_output=True, text=True, timeout=60, check=False)
         assert p.returncode == 1 and needle in p.stderr, p.stderr
+
+
+def test_oversized_chunked_body_is_413(router):
+    s = router("--max-request-mib", "1")
+
+    def chunks():
+        yield b'{"model": "tiny-a", "messages": [{"role": "user", "content": "'
+        for _ in range(20):
+            yield b"x" * 65536 * 2
+        yield b'"}]}'
+
+    r = httpx.post(s.base_url + "/v1/chat/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and err(r)["code"] == "request_too_large"
+    assert status(s.base_url)["tiny-a"]["status"]["value"] == "unloaded"  # nothing loaded for it
+    _still_serves(s.base_url)
