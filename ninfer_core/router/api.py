@@ -46,10 +46,10 @@ def slot_object(slot: ModelSlot) -> dict[str, Any]:
                                                                                                    *slot.aliases]}
     ctx = slot.ctx
     if slot.status in (LOADED, SLEEPING) and ctx is not None and ctx.model is not None:
-        base.update(model_object(ctx))
-        base["aliases"] = [slot.name, *[a for a in slot.aliases if a != slot.name]]
-    base["id"] = slot.name
-    base.update(path=slot.path, status=status, in_cache=False)
+        base.update(model_object(ctx))  # its id first, then every alias it answers to
+        base["aliases"] += [a for a in (slot.name, *slot.aliases) if a not in base["aliases"]]
+        base["id"] = ctx.model.id
+    base.update(path=slot.path, status=status)
     return base
 
 
