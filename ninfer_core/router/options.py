@@ -17,11 +17,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "alias = a, b, load-on-startup = true, any serve option without its dashes)")
     g.add_argument("--models-max", type=integer(0), default=1, metavar="N",
                    help="most models loaded at once in a router; 0 for no limit")
-    g.add_argument("--models-autoload", dest="models_autoload", action="store_true", default=True,
+    g.add_argument("--models-autoload", dest="models_autoload", action="store_true", default=argparse.SUPPRESS,
                    help="a request for a model that is not loaded loads it, or wakes it (the default; ?autoload=0|1 "
                         "overrides it per request)")
     g.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
-                   help="a request for a model that is not loaded fails with 503 model_not_loaded")
+                   help="a request for a model that is not loaded fails with 503 model_not_loaded (default: off)")
     g.add_argument("--model-suspend", action="store_true",
                    help="an idle model can give its device memory back and take it again (POST "
                         "/v1/models/{id}/suspend|resume, /models/sleep); a router puts models to sleep instead of "
