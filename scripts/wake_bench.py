@@ -106,6 +106,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (a quick check)")
+    ap.add_argument("--serve-args", default="", help="more ninfer serve options (e.g. '--suspend-snapshot pinned')")
     ap.add_argument("--artifact", default=None, help="use this artifact instead of writing one (a quick check)")
     a = ap.parse_args()
 
@@ -125,7 +126,7 @@ def main() -> int:
     log = open(Path(a.dir) / "server.log", "w")
     cmd = [sys.executable, "-m", "ninfer_core.cli", "serve", "--models-dir", str(models), "--model-suspend",
            "--no-cuda-graph", "--device", a.device, "--port", str(a.port), "--no-models-autoload",
-           "--max-context", "4096"]
+           "--max-context", "4096", *a.serve_args.split()]
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     rows, ok = [], True
     try:

@@ -26,6 +26,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="an idle model can give its device memory back and take it again (POST "
                         "/v1/models/{id}/suspend|resume, /models/sleep); a router puts models to sleep instead of "
                         "unloading them")
+    g.add_argument("--suspend-snapshot", choices=("pageable", "pinned"), default="pageable",
+                   help="pageable: the suspended model's memory goes to host memory allocated at suspend and freed "
+                        "after the resume; pinned: a page-locked block that size is reserved at load and kept "
+                        "(transfers at bus speed, that much host memory for the life of the model; CUDA) "
+                        "(default: pageable)")
     g.add_argument("--no-auto-resume", action="store_true",
                    help="a suspended model is not resumed by the next request, which fails with 503")
     g.add_argument("--sleep-idle-seconds", type=integer(1), default=None, metavar="N",
