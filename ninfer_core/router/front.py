@@ -13,6 +13,8 @@ Only routed requests count as use (LRU order, idle timers); reads do not keep a 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from typing import Any
 from urllib.parse import parse_qs
@@ -173,13 +175,47 @@ class RouterFront:
                     what = "asleep" if sleeping else "not loaded"
                     raise EngineError(503, "model_not_loaded", f"The model '{slot.name}' is {what} and autoload is "
                                       "off: load it with POST /models/load first.", param="model")
-                await m.acquire(slot, wake=generation)
+                receive = await acquire_watching(m, slot, generation, receive)
+                if receive is None:  # the client left while it waited: nothing to answer
+                    return
+            if m.fake_timing_s and inner is None:
+                await asyncio.sleep(m.fake_timing_s)
             if inner is not None:  # a single-model server: its own app, below its middleware
                 await inner(scope, receive, send)
             else:
                 await slot.loaded.app(_routed(scope), receive, send)
         finally:
             m.leave(slot, used=not reading)
+
+
+async def acquire_watching(m: ModelManager, slot: ModelSlot, wake: bool, receive: Receive) -> Receive | None:
+    """m.acquire, given up when the client disconnects meanwhile (None then): a request that leaves
+    while it waits for room gives its place in the queue up, so it costs no model its place.
+    uvicorn reports the disconnect only to a pending receive(), hence the watcher; what it reads
+    before (a body not read yet) is replayed to the model's app."""
+    seen: list[Message] = []
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            seen.append(message)
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    waiting = asyncio.create_task(m.acquire(slot, wake=wake))
+    try:
+        await asyncio.wait({watcher, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watcher, waiting):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    if waiting.cancelled():
+        return None
+    waiting.result()  # EngineError: the load failed, no room in time
+    return replay(seen, receive)
 
 
 def _routed(scope: Scope) -> dict[str, Any]:

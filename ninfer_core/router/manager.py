@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -29,6 +30,10 @@ log = logging.getLogger("ninfer")
 
 ROOM_WAIT_S = 600.0  # the longest a request waits for another model's requests to finish
 IDLE_TICK_S = 0.25
+# NINFER_DEBUG_FAKE_TIMING=1 (tests only; scripts/llama_server_shim.py sets it for llama.cpp's
+# LLAMA_SERVER_DEBUG_FAKE_TIMING): a router load and every routed request then take this much
+# longer, as llama.cpp's router does, so tests can hold a model busy for a known time.
+FAKE_TIMING_S = 2.0
 
 
 class ModelManager:
@@ -48,6 +53,7 @@ class ModelManager:
         self._idle_task: asyncio.Task | None = None
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.fake_timing_s = FAKE_TIMING_S if router and os.environ.get("NINFER_DEBUG_FAKE_TIMING") else 0.0
 
     # -- lookup ------------------------------------------------------------------------------------
     def find(self, name: str | None) -> ModelSlot | None:
@@ -146,6 +152,8 @@ class ModelManager:
         log.info("model %s: loading from %s", slot.name, slot.path)
 
         def load() -> None:
+            if self.fake_timing_s:
+                time.sleep(self.fake_timing_s)
             slot.do_load()
 
         ok = await self._run(slot, LOADING, load, LOADED, UNLOADED)
