@@ -149,9 +149,14 @@ class Residency:
 
             t0 = time.monotonic()
             size = sum(h.nbytes for h in owned_storages(engine))
-            self._block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            log.info("suspend snapshot: %.1f MiB of pinned host memory reserved in %.1f s", size / 2**20,
-                     time.monotonic() - t0)
+            try:
+                self._block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:  # page-locked memory is scarcer than memory: serve pageable instead
+                log.warning("suspend snapshot: %.1f MiB of pinned host memory not available (%s); suspends use "
+                            "pageable memory", size / 2**20, str(e).splitlines()[0])
+            else:
+                log.info("suspend snapshot: %.1f MiB of pinned host memory reserved in %.1f s", size / 2**20,
+                         time.monotonic() - t0)
         self.state = RESIDENT
         self._held: list[_Held] = []
         self._lock = threading.Lock()  # one suspend or resume at a time
@@ -254,6 +259,11 @@ class Residency:
                 h.snapshot = None
             self._held = []
             self.engine.release_hold()
+
+    def release_reserve(self) -> None:
+        """Unloading: the pinned block (if any) is freed with the model, not at the next collection."""
+        with self._lock:
+            self._block = None
 
     def report(self) -> dict:
         snapshot = sum(h.nbytes for h in self._held)

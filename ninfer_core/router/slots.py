@@ -83,8 +83,10 @@ class ModelSlot:
     def do_unload(self) -> None:
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
-            if loaded.residency.suspended:
-                loaded.residency.discard()
+            if loaded.residency is not None:
+                if loaded.residency.suspended:
+                    loaded.residency.discard()
+                loaded.residency.release_reserve()  # a pinned snapshot block goes with the model
             self.backend.unload(self, loaded)
             del loaded
         gc.collect()  # the model's tensors go now, not at some later collection
