@@ -107,7 +107,7 @@ def main() -> int:
     try:
         cmd = ["schemathesis", "run", f"{base}/openapi.json", "--checks", CHECKS, "--max-examples",
                str(a.max_examples), "--workers", "1", "--seed", str(a.seed), "--phases", a.phases,
-               "--request-timeout", "120", "--report", "ndjson", "--report-ndjson-path", str(ndjson),
+               "--request-timeout", "600", "--report", "ndjson", "--report-ndjson-path", str(ndjson),
                "--generation-database", "none", "--no-color", "--suppress-health-check", "all"]
         print("+", " ".join(cmd), flush=True)
         # the hooks module caps fuzzed output limits (scripts/fuzz_hooks.py)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("ninfer_tiny", reason="the router tests serve ninfer-tiny (plugins/tiny)")
+
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "scripts/llamacpp_tests.py"
 

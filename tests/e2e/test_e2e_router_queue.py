@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytest.importorskip("ninfer_tiny", reason="the router tests serve ninfer-tiny (plugins/tiny)")
+
 TINY = Path(__file__).resolve().parents[2] / "plugins/tiny/ninfer_tiny/data/ninfer-tiny.ninfer"
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
+
+pytest.importorskip("ninfer_tiny", reason="the router tests serve ninfer-tiny (plugins/tiny)")
 
 
 def _props(base: str) -> dict:
