@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "serve":
         from ninfer_core.server.serve import run_serve
 
+        # the router parses each model's arguments (preset, then this command line) with this parser
+        a.serve_argv, a.serve_parser = list(argv[1:]), _serve_parser(parser)
         return run_serve(a, host)
     if a.command == "convert":
         from ninfer_core.artifact.convert import run_convert

@@ -3,7 +3,9 @@
 A fuzzed output limit (max_tokens, n_predict, ...) is capped at OUTPUT_CAP tokens before the
 request is sent, so a CPU run generates a bounded amount; the field itself is still fuzzed (its
 types, its negative and huge values rejected or accepted as before the cap applies to positive
-ints only). Nothing else of a case is changed.
+ints only). Nothing else of a case is changed. A "no limit" value (-1) still generates up to the
+fuzzed server's short --max-context; on a loaded CPU that takes minutes, hence the generous
+--request-timeout of scripts/fuzz_openapi.py.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ BAD = [
     (["--presence-penalty", "99"], "--presence-penalty"), (["--frequency-penalty", "inf"], "--frequency-penalty"),
     (["--top-k", "21"], "--top-k"), (["--post-thinking-sampler", "temp=3"], "--post-thinking-sampler"),
     (["--log-colours", "maybe"], "--log-colours"), (["--metrics-compat", "tgi"], "--metrics-compat"),
-    (["--seed", str(2**64)], "--seed"),
+    (["--seed", str(2**64)], "--seed"), (["--suspend-snapshot", "locked"], "--suspend-snapshot"),
 ]
 
 

@@ -144,6 +144,9 @@ class Engine:
         # Worker failures: recover (out of memory; invariants with --recover-invariant-failures) or
         # latch failed (ninfer_core.engine.recovery)
         self.recovery = Recovery(self)
+        # Model suspend (ninfer_core.router.residency): while held the worker starts nothing, so no
+        # forward touches the device memory a suspend released; work submitted meanwhile waits.
+        self._held = False
 
     # -- client side (any thread; submit from an asyncio loop) ---------------------------------
     def start(self) -> None:
@@ -312,7 +315,25 @@ class Engine:
                 except Exception:  # noqa: BLE001 - shutting down regardless
                     log.exception("context cache: writing the disk tier at shutdown failed")
 
+    def hold_when_idle(self) -> "concurrent.futures.Future":
+        """Future of True once the worker is held at a boundary with nothing queued or running (a
+        suspend may then release device memory), of False when a request is in the engine."""
+        def apply() -> bool:
+            if self.scheduler.lanes or self.scheduler.waiting or self._outstanding:
+                return False
+            self._held = True
+            return True
+
+        return self.run_control(apply)
+
+    def release_hold(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
     def _has_work_locked(self) -> bool:
+        if self._held:
+            return False
         return bool(self.scheduler.lanes or self.scheduler.waiting or self._cancelled or self._controls
                     or (self.cache is not None and self.cache.has_background_work()))
 

@@ -71,6 +71,8 @@ def props(ctx: ServerContext) -> dict[str, Any]:
         "build_info": f"ninfer {build_string()}",
         "endpoint_slots": not ctx.options.no_slots, "endpoint_props": True, "endpoint_metrics": True,
         "cors_proxy_enabled": bool(getattr(ctx.options, "webui_mcp_proxy", False)),
+        # llama.cpp's: a suspended model (ninfer_core.router.residency)
+        "is_sleeping": bool(getattr(getattr(ctx, "residency", None), "suspended", False)),
     }
 
 

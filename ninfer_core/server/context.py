@@ -115,6 +115,9 @@ class ServerContext:
     # The engine's failure once it latched unavailable (spec "Stop the server"): every route then
     # answers 503 engine_failed and a single-model server exits with status 2.
     engine_failure: str | None = None
+    # Model suspend (ninfer_core.router.residency.Residency) when the model can be put to sleep
+    residency: Any = None
+    gate: Any = None  # ninfer_core.router.single.SingleGate: ServerMiddleware hands it each request
     process_start_unix: float = field(default_factory=lambda: process_start_time())  # /metrics header
     _ready: threading.Event = field(default_factory=threading.Event)
 

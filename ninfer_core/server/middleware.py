@@ -63,7 +63,8 @@ class ServerMiddleware:
         self._origins = ctx.options.cors_origins  # None: any origin (--cors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("state", {}).get("routed"):
+            # routed: a router's front already applied these checks (ninfer_core.router.front)
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()
@@ -106,7 +107,7 @@ class ServerMiddleware:
 
         try:
             await self._serve(scope, receive, send_wrapper, request_id, anthropic, headers, origin, refused_origin)
-        except Exception:  # noqa: BLE001 - the last line of defence keeps the envelope and headers
+        except Exception:
             log.exception("internal error on %s %s", method, scope.get("path"))
             if not started:
                 resp = shaped_error_response(scope, 500, "Internal server error.", "server_error",
@@ -159,6 +160,10 @@ class ServerMiddleware:
                 resp = shaped_error_response(scope, 413, RequestTooLarge(self._limit).args[0],
                                              code="request_too_large")
             await resp(scope, receive, send_wrapper)
+            return
+        gate = self.ctx.gate  # the lifecycle API and model suspend (ninfer_core.router.single)
+        if gate is not None:
+            await gate(scope, self._limited(receive), send_wrapper, self.app)
             return
         await self.app(scope, self._limited(receive), send_wrapper)
 

@@ -93,6 +93,13 @@ ROUTES: dict[tuple[str, str], tuple[str | None, dict, bool, str]] = {
     ("POST", "/v1/messages/count_tokens"): ("ninfer_core.protocols.anthropic_models:CountTokensRequest",
                                             _obj("input_tokens", input_tokens=_INT), False,
                                             "Anthropic token count"),
+    # the llama.cpp WebUI's routes (protocols/webui.py)
+    ("POST", "/v1/streams/lookup"): (None, {"type": "array", "items": {"type": "object"}}, False,
+                                     "Resumable streams of the given conversation ids"),
+    ("GET", "/v1/stream"): (None, {"type": "object"}, True, "Resume a stream (X-Conversation-Id)"),
+    ("DELETE", "/v1/stream"): (None, {"type": "object"}, False, "Forget a resumable stream"),
+    ("POST", "/v1/chat/completions/control"): (None, {"type": "object"}, False,
+                                               "Control of a streamed completion (reasoning_end)"),
 }
 # Second spellings answer exactly as their first one.
 ALIASES = {"/v1/health": "/health", "/chat/completions": "/v1/chat/completions",

@@ -54,10 +54,15 @@ def _spec_plugins(host: PluginHost) -> set[str]:
 
 def run_serve(args, host: PluginHost | None = None) -> int:
     """`ninfer serve`; `host` is the plugin host the command line was parsed with (cli.main)."""
+    if (getattr(args, "models_dir", None) or getattr(args, "models_preset", None)) and not args.artifact:
+        from ninfer_core.router.serve import run_router  # several models: spec "Several models (router)"
+
+        return run_router(args, host or PluginHost(PluginSelection.from_sources(args.plugin)))
     try:
         options = options_from_args(args)
     except ValueError as e:  # a refused option combination (e.g. --no-prefix-reuse with a capacity)
         return _fail(str(e))
+    options.router_args = args  # the lifecycle options of ninfer_core.router.single
     from ninfer_core.server.console import Console
     from ninfer_core.server.lifecycle import StopControl
 
@@ -238,6 +243,9 @@ def _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec
 
     loader.on_failure = lambda: control.request_stop("model load failed")
     loader.on_engine_failure = on_engine_failure
+    from ninfer_core.router.single import SingleGate  # /models*, suspend, idle sleep and unload
+
+    ctx.gate = SingleGate(ctx, loader, options.router_args)
     loader.thread.start()
     try:
         server.run(sockets=socks)

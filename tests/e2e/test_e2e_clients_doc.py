@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,21 @@ def server(launch, tmp_path_factory):
     s.stop()
 
 
+def _wait_idle(server, timeout: float = 1200.0) -> None:
+    """Each block starts on an idle server: an agent client may leave a background request running
+    after its command exits (on a loaded machine a 30k-token prefill takes minutes), and the next
+    block's request would wait behind it on the one lane. A request that never ends fails here."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        req = httpx.get(f"http://{server.address}/v1/load", timeout=30).json()["requests"]
+        if req["admitted"] == 0 and req["running"] == 0 and req["waiting"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the server is not idle after {timeout:.0f} s: {req}"
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("block", RUNS, ids=[b.id for b in RUNS])
 def test_doc_block(block: Block, server, home):
     path = _clients_path()
@@ -114,6 +130,7 @@ def test_doc_block(block: Block, server, home):
         for module, package in PYTHON_PACKAGES.items():
             if re.search(rf"^\s*(import|from) {module}\b", block.body, re.M):
                 pytest.importorskip(package, reason=f"{package} is not installed (pip install -e '.[clients]')")
+    _wait_idle(server)
     code = block.body.replace(ADDRESS, server.address)
     env = dict(os.environ, HOME=str(home), PATH=path)
     argv = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-e", "-c", code]

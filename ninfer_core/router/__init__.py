@@ -1,0 +1,1 @@
+"""Several models behind one address (router), model suspend and their lifecycle API."""
