@@ -163,6 +163,9 @@ class RunnerOptions:
     cuda_graph: bool = True
     verify_widths: tuple[int, ...] = ()  # k+1 widths a speculative backend verifies (graphs, warm-up)
     max_lanes: int = 1
+    # the longest run of new tokens one lane brings to a forward (the engine's prefill chunk; 0:
+    # not stated). A runner whose per-lane cache depends on it (a sliding-window ring) sizes by it.
+    max_segment_tokens: int = 0
 
 
 @dataclass

@@ -1,10 +1,22 @@
 """Gemma4Runner: the ModelRunner of the Gemma 4 family (CPU reference path).
 
-Cache geometry: one KV group per attention kind that owns K/V (`sliding`: head_dim, KV heads and the
-window of the sliding layers; `global`: global_head_dim and the global KV heads). KV-shared layers
-add no cache. There is no recurrent state, so a verify needs no per-position state: `commit` only
-closes the verify (KV rows past the accepted prefix are ignored by the engine's length) and a state
-slot holds nothing (StateImages are empty).
+Cache geometry (KV per layer group):
+- Global layers keep their K/V in the engine's paged pool (one KV group, `global`: global_head_dim
+  and the global KV heads); this is what grows with the context.
+- Sliding layers keep only a ring of `ring_pages` pages per state slot, enough for the window plus
+  the longest run of new tokens one forward brings (`RunnerOptions.max_segment_tokens`, the
+  engine's prefill chunk): position p of a lane lives in ring page (p // page) % ring_pages of its
+  slot. A forward writes its rows before it attends, so a key a query needs (at most window - 1
+  behind it) is overwritten only by a position at least ring_pages * page ahead of it, and
+  ring_pages * page >= chunk + window - 1 keeps that outside any forward. The ring is the lane's
+  state: a checkpoint captures it (`capture_state`), `copy_slot` forks it, a snapshot inside a chunk
+  copies it after the chunk (the rows past the snapshot are rewritten before any query reads them).
+  So a sliding layer holds window + chunk tokens per lane whatever the context, and no page of the
+  pool is ever spent on it (llama.cpp keeps a sliding-window cache of window + ubatch the same way).
+- KV-shared layers add no cache (they read their source layer's pages or ring).
+Segments longer than the ring allows (a caller that did not state its chunk) run as several
+forwards of at most that length. There is no recurrent state: a verify keeps its rows in place and
+`commit` only closes it (rows past the accepted prefix are rewritten before they are read).
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from ninfer_core.engine.model_api import (
     LaneSegment,
     ModelInfo,
     ModelRunner,
+    RunnerOptions,
     SegmentOutput,
     StateImage,
     check_batch,
@@ -34,6 +47,8 @@ from ninfer_gemma4.config import GLOBAL, SLIDING, Gemma4Config
 from ninfer_gemma4.model import Gemma4TextModel
 
 GROUP_NAMES = {SLIDING: "sliding", GLOBAL: "global"}
+RING = GROUP_NAMES[SLIDING]  # not a pool group: the per-slot ring of the sliding layers
+DEFAULT_SEGMENT = 256  # new tokens per forward when the caller states none (RunnerOptions)
 
 
 class Gemma4Runner(ModelRunner):
@@ -44,6 +59,8 @@ class Gemma4Runner(ModelRunner):
         self.page_size = PAGE_SIZE
         self.num_pages = self.num_slots = 0
         self._uncommitted: dict[int, int] = {}  # slot -> verify length not committed yet
+        self.max_segment = DEFAULT_SEGMENT
+        self.ring_pages = 0
         self.group_of = {i: GROUP_NAMES[cfg.layer_types[i]] for i in range(cfg.num_hidden_layers)}
         self.info = ModelInfo(
             architecture=cfg.architecture,
@@ -62,30 +79,57 @@ class Gemma4Runner(ModelRunner):
     def _elem(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def configure(self, options: RunnerOptions | None = None) -> None:
+        if options is not None and options.max_segment_tokens > 0:
+            self.max_segment = int(options.max_segment_tokens)
+
+    def _ring_pages(self, page_size: int) -> int:
+        window = self.cfg.sliding_window or 0
+        if not self.cfg.kv_layers(SLIDING) or window <= 0:
+            return 0
+        return -(-(self.max_segment + window - 1) // page_size)
+
+    def _ring_bytes_per_token(self) -> int:
+        return sum(2 * self.cfg.layer_kv_heads(i) * self.cfg.layer_head_dim(i) * self._elem
+                   for i in self.cfg.kv_layers(SLIDING))
+
     def cache_spec(self) -> CacheSpec:
         cfg, groups = self.cfg, []
-        for kind in (SLIDING, GLOBAL):
-            layers = cfg.kv_layers(kind)
-            if not layers:
-                continue
+        layers = cfg.kv_layers(GLOBAL)
+        if layers:
             kvh, hd = cfg.layer_kv_heads(layers[0]), cfg.layer_head_dim(layers[0])
-            groups.append(KVGroup(name=GROUP_NAMES[kind], layers=layers, kv_heads=kvh, head_dim=hd,
-                                  bytes_per_token=2 * len(layers) * kvh * hd * self._elem,
-                                  window=cfg.sliding_window if kind == SLIDING else None,
-                                  page_size=self.page_size))
-        return CacheSpec(kv_groups=tuple(groups), state_bytes=0)
+            groups.append(KVGroup(name=GROUP_NAMES[GLOBAL], layers=layers, kv_heads=kvh, head_dim=hd,
+                                  bytes_per_token=2 * len(layers) * kvh * hd * self._elem, page_size=self.page_size))
+        ring = self._ring_pages(self.page_size) * self.page_size * self._ring_bytes_per_token()
+        return CacheSpec(kv_groups=tuple(groups), state_bytes=ring, state_layers=cfg.kv_layers(SLIDING))
+
+    @property
+    def ring_tokens(self) -> int:
+        """Sliding-layer positions one slot holds (window + chunk, rounded up to pages)."""
+        return self._ring_pages(self.page_size) * self.page_size
 
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         cfg = self.cfg
         self.page_size = page_size
+        self.ring_pages = self._ring_pages(page_size)
         self.kv = {}
         for kind in (SLIDING, GLOBAL):
+            rows = num_slots * self.ring_pages if kind == SLIDING else num_pages
             for i in cfg.kv_layers(kind):
-                shape = (num_pages, page_size, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+                shape = (rows, page_size, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
                 self.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=self.device),
                               torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.num_pages, self.num_slots = num_pages, num_slots
         self._uncommitted = {}
+
+    def _ring(self, slot: int):
+        """The ring rows of `slot` in the sliding layers' tensors."""
+        return slice(slot * self.ring_pages, (slot + 1) * self.ring_pages)
+
+    def ring_table(self, slot: int, end: int) -> list[int]:
+        """Ring page ids of positions [0, end) of `slot` (a page table that wraps)."""
+        r, base = self.ring_pages, slot * self.ring_pages
+        return [base + j % r for j in range(-(-end // self.page_size))]
 
     def free_cache(self) -> None:
         self.kv = None
@@ -104,38 +148,60 @@ class Gemma4Runner(ModelRunner):
     def copy_slot(self, src: int, dst: int) -> None:
         self._check_slot(src)
         self._check_slot(dst)
+        if src != dst:
+            for i in self.cfg.kv_layers(SLIDING):
+                for t in self.kv[i]:
+                    t[self._ring(dst)] = t[self._ring(src)]
 
     def copy_page(self, src: int, dst: int) -> None:
         for i in (src, dst):
             if not 0 <= i < self.num_pages:
                 raise ValueError(f"page id {i} outside the pool of {self.num_pages} pages")
-        for k, v in self.kv.values():
+        for i in self.cfg.kv_layers(GLOBAL):
+            k, v = self.kv[i]
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
     def capture_state(self, slot: int) -> StateImage:
         self._check_slot(slot)
-        return StateImage({})
+        out = {}
+        for i in self.cfg.kv_layers(SLIDING):
+            k, v = self.kv[i]
+            out[f"ring.k.{i}"] = k[self._ring(slot)].to("cpu", copy=True)
+            out[f"ring.v.{i}"] = v[self._ring(slot)].to("cpu", copy=True)
+        return StateImage(out)
 
     def restore_state(self, image: StateImage, slot: int) -> None:
         self._check_slot(slot)
-        if image.tensors:
-            raise ValueError("StateImage holds state this model does not keep (another model?)")
+        want = {f"ring.{kv}.{i}" for i in self.cfg.kv_layers(SLIDING) for kv in "kv"}
+        if set(image.tensors) != want:
+            raise ValueError("StateImage does not fit this model's sliding-window ring (another model?)")
+        for i in self.cfg.kv_layers(SLIDING):
+            for kv, dst in zip("kv", self.kv[i]):
+                src = image.tensors[f"ring.{kv}.{i}"]
+                view = dst[self._ring(slot)]
+                if tuple(src.shape) != tuple(view.shape):
+                    raise ValueError(f"StateImage ring of shape {tuple(src.shape)} for a ring of {tuple(view.shape)} "
+                                     "(another chunk size or model)")
+                view.copy_(src.to(dst.device, dst.dtype))
         self._uncommitted.pop(slot, None)
 
     def read_pages(self, pages):
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
         out = {}
-        for i, (k, v) in self.kv.items():
+        for i in self.cfg.kv_layers(GLOBAL):
+            k, v = self.kv[i]
             out[f"k.{i}"] = k.index_select(0, idx).to("cpu", copy=True)
             out[f"v.{i}"] = v.index_select(0, idx).to("cpu", copy=True)
         return out
 
     def write_pages(self, pages, data) -> None:
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        if set(data) != {f"{kv}.{i}" for i in self.kv for kv in "kv"}:
+        layers = self.cfg.kv_layers(GLOBAL)
+        if set(data) != {f"{kv}.{i}" for i in layers for kv in "kv"}:
             raise ValueError("KV data does not fit this model's pages (another model)")
-        for i, (k, v) in self.kv.items():
+        for i in layers:
+            k, v = self.kv[i]
             for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
                 src = data[name]
                 if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
@@ -155,18 +221,58 @@ class Gemma4Runner(ModelRunner):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
         self._check(batch)
-        # a snapshot inside a chunk leaves nothing to copy: no recurrent state, KV is in the pages
-        return self._forward(batch.segments)
+        segments = list(batch.segments)
+        if self.ring_pages and max(len(s.tokens) for s in segments) > self.max_segment:
+            return self._forward_split(segments)
+        outs = self._forward(segments)
+        for s in segments:  # the ring after the chunk serves the snapshot too (module docstring)
+            if s.snapshot is not None:
+                self.copy_slot(s.slot, s.snapshot[1])
+        return outs
+
+    def _forward_split(self, segments: list[LaneSegment]) -> list[SegmentOutput]:
+        """Segments longer than the ring allows, as rounds of at most `max_segment` new tokens per lane."""
+        if any(s.kind == VERIFY for s in segments):
+            raise ValueError(f"a verify of more than {self.max_segment} tokens (configure max_segment_tokens)")
+        n = self.max_segment
+        parts: list[list[SegmentOutput]] = [[] for _ in segments]
+        rounds = max(-(-len(s.tokens) // n) for s in segments)
+        for r in range(rounds):
+            live, pieces = [], []
+            for j, s in enumerate(segments):
+                lo = r * n
+                if lo >= len(s.tokens):
+                    continue
+                hi = min(lo + n, len(s.tokens))
+                snap = None
+                if s.snapshot is not None and lo < s.snapshot[0] <= hi:
+                    snap = (s.snapshot[0] - lo, s.snapshot[1])
+                    if snap[0] == hi - lo:  # at the piece's end: the state after this piece
+                        snap = (0, snap[1])
+                last = hi == len(s.tokens)
+                want = s.logits if (last or s.logits == LOGITS_ALL) else "none"
+                live.append(j)
+                pieces.append((LaneSegment(s.slot, s.tables, s.start + lo, list(s.tokens[lo:hi]), s.kind, want,
+                                           s.hidden, None, _side_slice(s.side, lo, hi)), snap))
+            outs = self._forward([p for p, _ in pieces])
+            for j, (piece, snap), out in zip(live, pieces, outs):
+                if snap is not None:
+                    self.copy_slot(piece.slot, snap[1])
+                parts[j].append(out)
+        return [_join(s, p) for s, p in zip(segments, parts)]
 
     def _context(self, segments: Sequence[LaneSegment]) -> Context:
         segs, off = [], 0
         for s in segments:
-            segs.append(Segment(s.slot, {g: list(t) for g, t in s.tables.items()}, s.start, len(s.tokens), off))
+            tables = {g: list(t) for g, t in s.tables.items()}
+            if self.ring_pages:
+                tables[RING] = self.ring_table(s.slot, s.end)
+            segs.append(Segment(s.slot, tables, s.start, len(s.tokens), off))
             off += len(s.tokens)
         ps = self.page_size
         default = torch.cat([torch.arange(s.start, s.start + s.length, dtype=torch.int64) for s in segs])
         ctx = Context(segs, self._positions(segments, default).to(self.device), ps, self.kv, self.group_of)
-        for name in self.cache_spec().group_names:
+        for name in (*self.cache_spec().group_names, *((RING,) if self.ring_pages else ())):
             pages, rows = [], []
             for s in segs:
                 table = s.tables[name]
@@ -247,3 +353,29 @@ class Gemma4Runner(ModelRunner):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+
+def _side_slice(side, lo: int, hi: int):
+    """The side inputs of rows [lo, hi) of a segment (positions cut, embeddings re-based)."""
+    if side is None:
+        return None
+    from dataclasses import replace
+
+    pos = side.positions
+    if pos is not None:
+        pos = torch.as_tensor(pos)[..., lo:hi]
+    emb = []
+    for row, e in side.embeddings or ():
+        a, b = max(row, lo), min(row + e.shape[0], hi)
+        if a < b:
+            emb.append((a - lo, e[a - row: b - row]))
+    return replace(side, positions=pos, embeddings=emb)
+
+
+def _join(seg: LaneSegment, parts: list[SegmentOutput]) -> SegmentOutput:
+    if seg.logits == LOGITS_ALL:
+        logits = torch.cat([p.logits for p in parts])
+    else:
+        logits = parts[-1].logits
+    hidden = {h: torch.cat([p.hidden[h] for p in parts]) for h in parts[-1].hidden}
+    return SegmentOutput(logits, hidden)

@@ -35,6 +35,8 @@ def launch():
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[3] / "tests" / "conftest.py"
+    if str(path.parent) not in sys.path:  # its own imports (qwen_format) sit beside it
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location("ninfer_repo_tests_conftest", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve their annotations through sys.modules
