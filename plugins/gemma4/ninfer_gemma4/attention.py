@@ -6,6 +6,8 @@ over head_dim, v_norm an unscaled one; the softmax scale is 1 (the norms set the
 A K=V global layer has no v_proj: its value is the raw key projection, v-normed (no RoPE).
 A KV-shared layer has no K/V projections: it attends over the pages of its source layer, which
 ran earlier in the same forward and has already written this forward's rows.
+A group whose table is a ring (`Context.wrap`, the sliding layers) maps page index j to
+table[j % wrap] (runner.py says why that is exact).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from ninfer_gemma4.config import Gemma4Config
-from ninfer_gemma4.gpu.attention import paged_attention, use_triton
+from ninfer_gemma4.gpu.attention import block_rows, kernel_meta, paged_attention, use_triton
 from ninfer_gemma4.layers import RMSNorm, apply_rotary
 
 
@@ -41,6 +43,19 @@ class Context:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer type -> cos, sin
     write_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # group -> page, row
     device_tables: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> int32 [B, W] (kernel path)
+    wrap: dict[str, int] = field(default_factory=dict)  # group -> ring pages (its tables wrap)
+    # (group, window, block_t) -> the kernel's (tiles, per_lane) on the device; the CUDA-Graph
+    # decode fills these from its static buffers before the forward
+    kernel_meta: dict = field(default_factory=dict)
+
+    def meta_of(self, group: str, window: int, block_t: int, page: int, device):
+        key = (group, window, block_t)
+        m = self.kernel_meta.get(key)
+        if m is None:
+            m = kernel_meta([s.start for s in self.segments], [s.length for s in self.segments], block_t, window,
+                            page, device)
+            self.kernel_meta[key] = m
+        return m
 
     def tables_of(self, group: str, device) -> torch.Tensor:
         """The segments' page tables of `group` as one padded int32 tensor, built once per forward."""
@@ -102,9 +117,11 @@ class Attention(nn.Module):
             v_cache[page, row] = v.to(v_cache.dtype)
         group = ctx.group_of[self.source]
         if use_triton(q) and _flat(ctx.segments):  # the Triton kernel over every lane at once (GPU path)
-            out = paged_attention(q.contiguous(), k_cache, v_cache, ctx.tables_of(group, q.device),
-                                  [seg.start for seg in ctx.segments], [seg.length for seg in ctx.segments],
-                                  self.window or 0, 1.0)
+            window = self.window or 0
+            block_t, _ = block_rows(self.heads // self.kv_heads, self.head_dim)
+            meta = ctx.meta_of(group, window, block_t, ctx.page_size, q.device)
+            out = paged_attention(q.contiguous(), k_cache, v_cache, ctx.tables_of(group, q.device), None, None,
+                                  window, 1.0, wrap=ctx.wrap.get(group, 0), meta=meta)
             return self.o_proj(out.reshape(n, -1).to(x.dtype))
         out = torch.cat([self._segment(q, k_cache, v_cache, seg, seg.tables[group], ctx) for seg in ctx.segments])
         return self.o_proj(out.reshape(n, -1).to(x.dtype))
@@ -114,7 +131,9 @@ class Attention(nn.Module):
         end = seg.start + seg.length
         lo = 0 if self.window is None else max(0, seg.start - self.window + 1)
         first, last = lo // ps, -(-end // ps)
-        idx = torch.tensor(table[first:last], dtype=torch.int64, device=q.device)
+        wrap = ctx.wrap.get(ctx.group_of[self.source], 0)
+        pages = [table[j % wrap] for j in range(first, last)] if wrap else table[first:last]
+        idx = torch.tensor(pages, dtype=torch.int64, device=q.device)
         base = first * ps
         keys = k_cache[idx].reshape(-1, self.kv_heads, self.head_dim)[lo - base: end - base]
         vals = v_cache[idx].reshape(-1, self.kv_heads, self.head_dim)[lo - base: end - base]

@@ -96,6 +96,9 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
+DECODE_TOKENS = 16  # at most this many tokens take the sync-free expert GEMV (a decode or verify batch)
+
+
 class Experts(nn.Module):
     """Fused expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
 
@@ -107,6 +110,17 @@ class Experts(nn.Module):
         self.activation = cfg.hidden_activation
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        from ninfer_gemma4.gpu import moe
+
+        if moe.use_triton(x):  # the GPU paths (gpu/moe.py); the loop below is their reference
+            if index.shape[0] <= DECODE_TOKENS:
+                return moe.experts_decode(x, weights, index, self.gate_up_proj, self.down_proj, self.activation)
+            out = moe.experts_grouped(x, weights, index, self.gate_up_proj, self.down_proj, self.activation)
+            if out is not None:
+                return out
+        return self.forward_loop(x, weights, index)
+
+    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(index).tolist():
             tok, slot = torch.where(index == e)

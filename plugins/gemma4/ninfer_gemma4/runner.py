@@ -6,7 +6,7 @@ Cache geometry (KV per layer group):
 - Sliding layers keep only a ring of `ring_pages` pages per state slot, enough for the window plus
   the longest run of new tokens one forward brings (`RunnerOptions.max_segment_tokens`, the
   engine's prefill chunk): position p of a lane lives in ring page (p // page) % ring_pages of its
-  slot. A forward writes its rows before it attends, so a key a query needs (at most window - 1
+  slot (its table is `ring_table(slot)`, read with wrap-around). A forward writes its rows before it attends, so a key a query needs (at most window - 1
   behind it) is overwritten only by a position at least ring_pages * page ahead of it, and
   ring_pages * page >= chunk + window - 1 keeps that outside any forward. The ring is the lane's
   state: a checkpoint captures it (`capture_state`), `copy_slot` forks it, a snapshot inside a chunk
@@ -126,10 +126,10 @@ class Gemma4Runner(ModelRunner):
         """The ring rows of `slot` in the sliding layers' tensors."""
         return slice(slot * self.ring_pages, (slot + 1) * self.ring_pages)
 
-    def ring_table(self, slot: int, end: int) -> list[int]:
-        """Ring page ids of positions [0, end) of `slot` (a page table that wraps)."""
-        r, base = self.ring_pages, slot * self.ring_pages
-        return [base + j % r for j in range(-(-end // self.page_size))]
+    def ring_table(self, slot: int) -> list[int]:
+        """The ring's page ids of `slot`: page index j of a lane reads entry j % ring_pages."""
+        base = slot * self.ring_pages
+        return list(range(base, base + self.ring_pages))
 
     def free_cache(self) -> None:
         self.kv = None
@@ -266,18 +266,21 @@ class Gemma4Runner(ModelRunner):
         for s in segments:
             tables = {g: list(t) for g, t in s.tables.items()}
             if self.ring_pages:
-                tables[RING] = self.ring_table(s.slot, s.end)
+                tables[RING] = self.ring_table(s.slot)
             segs.append(Segment(s.slot, tables, s.start, len(s.tokens), off))
             off += len(s.tokens)
         ps = self.page_size
         default = torch.cat([torch.arange(s.start, s.start + s.length, dtype=torch.int64) for s in segs])
         ctx = Context(segs, self._positions(segments, default).to(self.device), ps, self.kv, self.group_of)
+        if self.ring_pages:
+            ctx.wrap[RING] = self.ring_pages
         for name in (*self.cache_spec().group_names, *((RING,) if self.ring_pages else ())):
             pages, rows = [], []
+            wrap = ctx.wrap.get(name, 0)
             for s in segs:
                 table = s.tables[name]
                 for p in range(s.start, s.start + s.length):
-                    pages.append(table[p // ps])
+                    pages.append(table[(p // ps) % wrap] if wrap else table[p // ps])
                     rows.append(p % ps)
             ctx.write_rows[name] = (torch.tensor(pages, device=self.device), torch.tensor(rows, device=self.device))
         return ctx

@@ -85,8 +85,75 @@ def check(dtype=torch.float32, device="cpu", tol=1e-4, shapes=SHAPES):
     print(f"gemma4 paged attention: worst max relative error {worst:.2e} over {len(shapes)} shapes ({dtype})")
 
 
+def check_ring(dtype=torch.float32, device="cpu", tol=1e-4):
+    """Sliding attention through a ring table (`wrap`): each lane's positions live in ring page
+    (p // page) % R of its own R pages, R * page >= qlen + window - 1; the kernel and the reference
+    against plain attention over the dense keys."""
+    cases = [([0, 90, 301], [40, 7, 1], 4, 2, 32, 24, 16), ([500, 77], [1, 16], 8, 2, 48, 20, 16)]
+    worst = 0.0
+    for i, (starts, qlens, h, kvh, d, window, page) in enumerate(cases):
+        gen = torch.Generator().manual_seed(10 + i)
+        rings = [-(-(n + window - 1) // page) for n in qlens]
+        r = max(rings)
+        # rows the ring does not hold yet are garbage of a large size (a real ring holds stale rows
+        # there): masked, they add nothing; read through a wrong mapping, they swamp the result
+        kc = 1e3 * torch.randn(len(starts) * r, page, kvh, d, generator=gen)
+        vc = 1e3 * torch.randn(len(starts) * r, page, kvh, d, generator=gen)
+        tables, dense = [], []
+        for b, (st, n) in enumerate(zip(starts, qlens)):
+            end = st + n
+            dk, dv = torch.randn(end, kvh, d, generator=gen), torch.randn(end, kvh, d, generator=gen)
+            for p in range(max(0, end - r * page), end):  # what the ring holds after the forward's writes
+                kc[b * r + (p // page) % r, p % page] = dk[p]
+                vc[b * r + (p // page) % r, p % page] = dv[p]
+            tables.append(list(range(b * r, b * r + r)))
+            dense.append((dk, dv))
+        q = torch.randn(sum(qlens), h, d, generator=gen)
+        ref = ref_paged_attention(q, kc, vc, tables, starts, qlens, window, 1.0, wrap=r)
+        off = 0
+        for b, (st, n) in enumerate(zip(starts, qlens)):
+            want = dense_attention(q[off: off + n], dense[b][0], dense[b][1], torch.arange(st, st + n), window, 1.0)
+            assert torch.allclose(ref[off: off + n].double(), want, atol=1e-5), f"ring reference wrong in case {i}"
+            off += n
+        got = paged_attention(q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), tables, starts, qlens,
+                              window, 1.0, wrap=r).float().cpu()
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, err)
+        assert err <= tol, f"ring case {i}: max relative error {err:.2e} > {tol}"
+    print(f"gemma4 ring attention: worst max relative error {worst:.2e} over {len(cases)} cases ({dtype})")
+
+
+def check_experts(dtype=torch.float32, device="cpu", tol=1e-4):
+    """The expert GEMV against its reference, and the decode experts against the expert loop."""
+    from ninfer_gemma4.gpu.moe import expert_gemv, experts_decode, ref_expert_gemv
+    from ninfer_gemma4.layers import Experts
+
+    gen = torch.Generator().manual_seed(4)
+    e, hid, inter, k, t = 8, 48, 40, 2, 5
+    x = torch.randn(t, hid, generator=gen)
+    gate_up = torch.randn(e, 2 * inter, hid, generator=gen) * hid ** -0.5
+    down = torch.randn(e, hid, inter, generator=gen) * inter ** -0.5
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    dev = lambda z: z.to(device, dtype if z.is_floating_point() else z.dtype)  # noqa: E731
+    got = expert_gemv(dev(x), dev(gate_up), dev(idx.reshape(-1)), k).float().cpu()
+    want = ref_expert_gemv(x, gate_up, idx.reshape(-1), k)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= tol, f"expert GEMV: {err:.2e}"
+    loop = Experts.__new__(Experts)
+    torch.nn.Module.__init__(loop)
+    loop.gate_up_proj, loop.down_proj, loop.activation = gate_up, down, "gelu_pytorch_tanh"
+    want = loop.forward_loop(x, w, idx)
+    got = experts_decode(dev(x), dev(w), dev(idx), dev(gate_up), dev(down), "gelu_pytorch_tanh").float().cpu()
+    err2 = ((got - want).abs().max() / want.abs().max()).item()
+    assert err2 <= tol, f"decode experts against the loop: {err2:.2e}"
+    print(f"gemma4 expert GEMV: max relative error {err:.2e}; decode experts vs loop {err2:.2e} ({dtype})")
+
+
 def interpreted():
     check()
+    check_ring()
+    check_experts()
 
 
 def runner_interpret():
@@ -100,7 +167,7 @@ def runner_interpret():
     from ninfer_gemma4.testing import build_tiny_artifact
 
     from ninfer_core.artifact import Artifact
-    from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment
+    from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment, RunnerOptions
 
     ids = [int(x) for x in torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(3))]
     kernel = attention.use_triton
@@ -114,6 +181,8 @@ def runner_interpret():
             def run(use, runner=runner, groups=groups):
                 attention.use_triton = use
                 runner.free_cache()
+                # forwards of at most 16 new tokens: a ring of 3 pages that wraps, the 45-token prompt split
+                runner.configure(RunnerOptions(max_segment_tokens=16))
                 runner.allocate_cache(24, 3, page_size=16)
                 tab = {i: {g: list(range(i * 8, i * 8 + 8)) for g in groups} for i in range(3)}
                 prompts = [ids[:45], ids[5:12], ids[20:27]]

@@ -6,7 +6,8 @@ A batch is lanes of new query rows: lane b has `qlens[b]` queries at positions `
 into q [T, H, D]. Its keys are in the paged caches [P, page, KVH, D] through `tables[b]` (page ids
 by page index; the rows of this forward already written). Query p sees key p' when p' <= p and,
 with `window` > 0 (a sliding layer), p' > p - window: pages wholly behind the window are never
-read, so their ids may be anything (a pool that released them). GQA: query head h reads KV head
+read, so their ids may be anything (a pool that released them). With `wrap` > 0 the table is a
+ring: page index j reads tables[b][j % wrap] (the sliding layers' per-slot ring, see runner.py). GQA: query head h reads KV head
 h // (H / KVH). Softmax scale `scale` (1 for Gemma 4: q_norm/k_norm set the logit size), fp32
 accumulation, output in q's dtype.
 
@@ -39,7 +40,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, scale: float):
+def ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, scale: float, wrap: int = 0):
     """The torch reference (see the module docstring). tables: list of page-id lists (or an int
     tensor [B, W]); starts, qlens: ints per lane."""
     t, h, d = q.shape
@@ -53,7 +54,8 @@ def ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int,
         lo = max(0, start - window + 1) if window > 0 else 0
         first, last = lo // ps, -(-end // ps)
         table = tables[b]
-        ids = torch.as_tensor([int(x) for x in table[first:last]], dtype=torch.long, device=q.device)
+        idx = [j % wrap for j in range(first, last)] if wrap > 0 else range(first, last)
+        ids = torch.as_tensor([int(table[j]) for j in idx], dtype=torch.long, device=q.device)
         keys = k_cache[ids].reshape(-1, kvh, d)[lo - first * ps: end - first * ps].float()
         vals = v_cache[ids].reshape(-1, kvh, d)[lo - first * ps: end - first * ps].float()
         qpos = torch.arange(start, end, device=q.device)
@@ -78,7 +80,7 @@ if HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tile_ptr, qoff_ptr, start_ptr, qlen_ptr,
         stride_qt, stride_qh, stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh,
         stride_ot, stride_oh, stride_tb,
-        scale, window,
+        scale, window, wrap,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
@@ -108,7 +110,8 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         cols = tl.arange(0, PAGE)
         for pg in range(first_page, last_page + 1):
-            page = tl.load(table_ptr + lane * stride_tb + pg).to(tl.int64)
+            slot_pg = tl.where(wrap > 0, pg % tl.maximum(wrap, 1), pg)
+            page = tl.load(table_ptr + lane * stride_tb + slot_pg).to(tl.int64)
             kpos = pg * PAGE + cols
             k = tl.load(k_ptr + page * stride_kp + cols[:, None] * stride_kr + kv_head * stride_kh + dims[None, :],
                         mask=d_ok[None, :], other=0.0)
@@ -153,11 +156,13 @@ def block_rows(g: int, head_dim: int) -> tuple[int, int]:
     return max(1, rows // g), rows
 
 
-def paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, scale: float):
+def paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, scale: float, wrap: int = 0,
+                    meta=None):
     """See the module docstring. `tables` is an int32 tensor [B, W] on q's device (or lists for the
-    reference); starts, qlens: lists of ints."""
+    reference); starts, qlens: lists of ints. `meta`: (tiles int32 [n, 4], per_lane int32 [3, B])
+    already on the device (`kernel_meta`, the CUDA-Graph decode), in place of starts and qlens."""
     if not use_triton(q):
-        return ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window, scale)
+        return ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window, scale, wrap)
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh
@@ -169,22 +174,34 @@ def paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, sca
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous")
     block_t, block_r = block_rows(g, d)
-    tile_rows = tiles(starts, qlens, block_t, window, page)
     out = torch.empty_like(q)
-    if not tile_rows:
-        return out
+    if meta is None:
+        meta = kernel_meta(starts, qlens, block_t, window, page, dev)
+        if meta is None:
+            return out
+    tile_meta, per_lane = meta
+    _paged_attention_kernel[(tile_meta.shape[0], kvh)](
+        q, k_cache, v_cache, out, tables, tile_meta, per_lane[0], per_lane[1], per_lane[2],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), tables.stride(0),
+        float(scale), int(window), int(wrap),
+        G=g, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BLOCK_T=block_t, BLOCK_R=block_r,
+    )
+    return out
+
+
+def host_meta(starts, qlens, block_t: int, window: int, page: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(tiles, per_lane [qoffs, starts, qlens]) as host lists."""
     qoffs, acc = [], 0
     for n in qlens:
         qoffs.append(acc)
         acc += int(n)
-    meta = torch.tensor(tile_rows, dtype=torch.int32, device=dev)
-    per_lane = torch.tensor([qoffs, [int(s) for s in starts], [int(n) for n in qlens]], dtype=torch.int32,
-                            device=dev)
-    _paged_attention_kernel[(len(tile_rows), kvh)](
-        q, k_cache, v_cache, out, tables, meta, per_lane[0], per_lane[1], per_lane[2],
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), tables.stride(0),
-        float(scale), int(window),
-        G=g, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BLOCK_T=block_t, BLOCK_R=block_r,
-    )
-    return out
+    return tiles(starts, qlens, block_t, window, page), [qoffs, [int(s) for s in starts], [int(n) for n in qlens]]
+
+
+def kernel_meta(starts, qlens, block_t: int, window: int, page: int, device):
+    tile_rows, per_lane = host_meta(starts, qlens, block_t, window, page)
+    if not tile_rows:
+        return None
+    return (torch.tensor(tile_rows, dtype=torch.int32, device=device),
+            torch.tensor(per_lane, dtype=torch.int32, device=device))
