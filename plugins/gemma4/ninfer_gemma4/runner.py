@@ -61,6 +61,9 @@ class Gemma4Runner(ModelRunner):
         self._uncommitted: dict[int, int] = {}  # slot -> verify length not committed yet
         self.max_segment = DEFAULT_SEGMENT
         self.ring_pages = 0
+        self.cuda_graph = True
+        self._graphs = None  # gpu.graphs.DecodeGraphs, made on the first graphed decode
+        self.scratch_page = self.scratch_slot = -1
         self.group_of = {i: GROUP_NAMES[cfg.layer_types[i]] for i in range(cfg.num_hidden_layers)}
         self.info = ModelInfo(
             architecture=cfg.architecture,
@@ -80,8 +83,16 @@ class Gemma4Runner(ModelRunner):
         return torch.empty((), dtype=self.dtype).element_size()
 
     def configure(self, options: RunnerOptions | None = None) -> None:
-        if options is not None and options.max_segment_tokens > 0:
-            self.max_segment = int(options.max_segment_tokens)
+        if options is not None:
+            if options.max_segment_tokens > 0:
+                self.max_segment = int(options.max_segment_tokens)
+            if bool(options.cuda_graph) != self.cuda_graph:
+                self.cuda_graph = bool(options.cuda_graph)
+                self._graphs = None
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return self.cuda_graph and self.device.type == "cuda"
 
     def _ring_pages(self, page_size: int) -> int:
         window = self.cfg.sliding_window or 0
@@ -110,11 +121,15 @@ class Gemma4Runner(ModelRunner):
 
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         cfg = self.cfg
+        self._graphs = None
         self.page_size = page_size
         self.ring_pages = self._ring_pages(page_size)
+        # on CUDA one scratch pool page and one scratch ring slot past the engine's (graph capture)
+        extra = 1 if self.device.type == "cuda" else 0
+        self.scratch_page, self.scratch_slot = (num_pages, num_slots) if extra else (-1, -1)
         self.kv = {}
         for kind in (SLIDING, GLOBAL):
-            rows = num_slots * self.ring_pages if kind == SLIDING else num_pages
+            rows = (num_slots + extra) * self.ring_pages if kind == SLIDING else num_pages + extra
             for i in cfg.kv_layers(kind):
                 shape = (rows, page_size, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
                 self.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -132,6 +147,7 @@ class Gemma4Runner(ModelRunner):
         return list(range(base, base + self.ring_pages))
 
     def free_cache(self) -> None:
+        self._graphs = None
         self.kv = None
         self._uncommitted = {}
 
@@ -222,6 +238,13 @@ class Gemma4Runner(ModelRunner):
     def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
         self._check(batch)
         segments = list(batch.segments)
+        if self.graphs_enabled:
+            from ninfer_gemma4.gpu.graphs import DecodeGraphs
+
+            if DecodeGraphs.eligible(segments):
+                if self._graphs is None:
+                    self._graphs = DecodeGraphs(self)
+                return self._graphs.run(segments)
         if self.ring_pages and max(len(s.tokens) for s in segments) > self.max_segment:
             return self._forward_split(segments)
         outs = self._forward(segments)

@@ -66,3 +66,14 @@ def test_runner_with_the_interpreted_kernel_matches_its_torch_path():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "worst max relative logits error" in r.stdout
     print(r.stdout)
+
+
+def test_graph_decode_body_matches_the_eager_decode_under_the_interpreter():
+    pytest.importorskip("triton")
+    path = os.pathsep.join([HERE, *sys.path])
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
+    code = "import gemma4_kernel_cases as c; c.graph_body_interpret()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "graph decode body under the interpreter: worst" in r.stdout
+    print(r.stdout)
