@@ -117,6 +117,8 @@ def weight_facts(runner) -> dict:
     cfg = runner.cfg
     emb = model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k_experts", 0) or 0)
     seen, total, expert_bytes, matmul_params = set(), 0, 0, 0
     for name, p in model.named_parameters():
         key = (p.data_ptr(), tuple(p.shape))
@@ -126,13 +128,15 @@ def weight_facts(runner) -> dict:
         nbytes = p.numel() * p.element_size()
         if name == "embed_tokens.weight" and not tied:
             continue
+        if name.startswith("embed_tokens_per_layer."):  # a per-layer embedding table: a row per token
+            continue
         if ".experts." in name:
             expert_bytes += nbytes
         else:
             total += nbytes
         if name.startswith("layers.") and p.dim() >= 2 and "conv1d" not in name:
             if ".experts." in name:
-                matmul_params += p.numel() * cfg.num_experts_per_tok / max(1, cfg.num_experts)
+                matmul_params += p.numel() * top_k / max(1, experts)
             elif name.endswith("mlp.gate.weight"):
                 matmul_params += p.numel()
             else:
@@ -140,8 +144,8 @@ def weight_facts(runner) -> dict:
     return {
         "dense_bytes": total,
         "expert_bytes": expert_bytes,
-        "experts": cfg.num_experts,
-        "top_k": cfg.num_experts_per_tok,
+        "experts": experts,
+        "top_k": top_k,
         "matmul_flops_per_token": 2 * matmul_params,
         "params": sum(p.numel() for p in model.parameters()),
     }

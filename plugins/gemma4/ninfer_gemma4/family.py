@@ -68,6 +68,23 @@ class Gemma4Family(ModelFamily):
             eos = tuple(by_text[e] for e in tok.get("eos_tokens", []) if by_text.get(e) is not None)
         return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
 
+    def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
+        """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as
+        the loader asks for them (`ninfer bench`; nothing is written)."""
+        from ninfer_gemma4.gpu.random_model import RandomArtifact
+        from ninfer_gemma4.test_tokenizer import tokenizer_section
+
+        kw.setdefault("tokenizer_section", tokenizer_section())
+        kw.setdefault("chat_template", GEMMA4_TEMPLATE)
+        dev = torch.device(device)
+        return RandomArtifact(hf_config, device=dev, dtype=resolve_dtype(None, dev), seed=seed, **kw)
+
+    def transformers_model(self, runner, hf_config: dict):
+        """transformers' model of the same weights, sharing `runner`'s tensors (no copy)."""
+        from ninfer_gemma4.gpu.random_model import transformers_model
+
+        return transformers_model(runner, hf_config)
+
     def chat_format(self, artifact):
         from ninfer_gemma4.chat import GEMMA4_CHAT_FORMAT
 

@@ -72,3 +72,14 @@ def write_tokenizer_files(path, vocab_size: int = 512) -> None:
         {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
          "tokenizer_class": "GemmaTokenizer"}), encoding="utf-8")
     (path / "chat_template.jinja").write_text(GEMMA4_TEMPLATE, encoding="utf-8")
+
+
+def tokenizer_section(vocab_size: int = 512) -> dict:
+    """The artifact tokenizer section of this tokenizer (what `ninfer convert` stores)."""
+    import tempfile
+
+    from ninfer_core.tokenizer.hf import tokenizer_section_from_hf_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_files(tmp, vocab_size)
+        return tokenizer_section_from_hf_dir(tmp)

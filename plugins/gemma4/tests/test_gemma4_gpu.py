@@ -1,6 +1,7 @@
 """Gemma 4 on CUDA (skipped without it): the Triton attention kernel at the real head geometry in
-bf16, and the runner in bf16 against transformers at real widths (one period of the layer pattern,
-random weights, the full 262k vocabulary) within 1e-2. scripts/gpu_check.py runs this module
+bf16, the runner in bf16 against transformers at real widths (one period of the layer pattern,
+random weights, the full 262k vocabulary) within 1e-2, and the CUDA-Graph decode against the eager
+decode (dense and MoE, 1 and 3 lanes, the sliding ring wrapping). scripts/gpu_check.py runs this module
 (`--order gemma4`); each check prints one PARITY line.
 """
 
@@ -11,15 +12,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# Widths of the published text configs (google/gemma-4-31B, google/gemma-4-26B-A4B config.json,
-# text_config); the layer count is cut to one period of the pattern (5 sliding + 1 global).
-REAL_WIDTHS = {
-    "31b": {"hidden_size": 5376, "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 16,
-            "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4, "sliding_window": 1024},
-    "26b-a4b": {"hidden_size": 2816, "intermediate_size": 2112, "num_attention_heads": 16, "num_key_value_heads": 8,
-                "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 2, "sliding_window": 1024,
-                "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704},
-}
+from ninfer_gemma4.shapes import REAL_WIDTHS  # noqa: E402  (widths of the published configs)
+
 TOL = 1e-2
 
 
@@ -42,10 +36,11 @@ class StateArtifact:
 
 
 def real_config(kind: str) -> dict:
-    from ninfer_gemma4.testing import shrunk_config
+    """One period of the layer pattern (5 sliding + 1 global) at the real widths and vocabulary."""
+    from ninfer_gemma4.shapes import real_config as cut
 
-    cfg = shrunk_config(kind, vocab_size=262144, num_layers=6, multimodal=False)
-    cfg.update(REAL_WIDTHS[kind], vocab_size_per_layer_input=262144, max_position_embeddings=131072)
+    cfg = cut(kind, num_layers=6)
+    cfg["max_position_embeddings"] = 131072
     return cfg
 
 
@@ -84,3 +79,40 @@ def test_runner_bf16_parity_with_transformers_at_real_widths(kind):
     print(f"PARITY gemma4 {kind} bf16 (6 layers at real widths, 1500 tokens in chunks of 512): "
           f"max relative logits error {err:.2e}")
     assert err <= TOL
+
+
+@pytest.mark.parametrize("kind", ["31b", "26b-a4b"])
+def test_graph_decode_equals_eager_decode(kind):
+    from ninfer_gemma4.family import Gemma4Family
+    from ninfer_gemma4.testing import hf_model
+
+    from ninfer_core.engine.model_api import DECODE, ForwardBatch, LaneSegment, RunnerOptions
+
+    cfg = real_config(kind)
+    ref = hf_model(cfg, seed=4, std=0.02).to("cuda", torch.bfloat16)
+    runner = Gemma4Family().load(StateArtifact(cfg, dict(ref.state_dict())), device="cuda", dtype="bfloat16")
+    del ref
+    runner.configure(RunnerOptions(max_segment_tokens=512, cuda_graph=True))
+    runner.allocate_cache(96, 3, page_size=64)
+    groups = runner.cache_spec().group_names
+    tab = {i: {g: list(range(i * 32, i * 32 + 32)) for g in groups} for i in range(3)}
+    gen = torch.Generator().manual_seed(6)
+    lens = [1700, 600, 40]
+    for i, n in enumerate(lens):
+        ids = torch.randint(3, 262144, (n,), generator=gen).tolist()
+        for s in range(0, n, 512):
+            runner.forward(ForwardBatch([LaneSegment(i, tab[i], s, ids[s:s + 512])]))
+    worst = 0.0
+    for width in (1, 3):
+        for step in range(3):
+            segs = [LaneSegment(i, tab[i], lens[i] + step, [100 + i + step], DECODE) for i in range(width)]
+            runner.cuda_graph = False
+            eager = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
+            runner.cuda_graph = True
+            graphed = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
+            worst = max(worst, float((graphed - eager).abs().max() / eager.abs().max()))
+        lens = [n + 3 if i < width else n for i, n in enumerate(lens)]
+    assert runner._graphs is not None and set(runner._graphs.graphs) == {1, 3}
+    print(f"PARITY gemma4 {kind} graph vs eager decode (widths 1 and 3, 6 layers at real widths): "
+          f"max relative logits error {worst:.2e}")
+    assert worst <= 1e-3
