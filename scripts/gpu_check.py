@@ -48,7 +48,8 @@ def main() -> int:
     ap.add_argument("--replay", nargs="*", default=[], help="shapes for the context-cache replay (none: skip)")
     ap.add_argument("--replay-args", default="--turns 2 --system-tokens 28000 --reply-tokens 16 --profile-replay",
                     help="extra arguments for every replay run")
-    ap.add_argument("--gemma4-tests", nargs="*", default=["plugins/gemma4/tests/test_gemma4_gpu.py"],
+    ap.add_argument("--gemma4-tests", nargs="*", default=["plugins/gemma4/tests/test_gemma4_gpu.py",
+                                                          "plugins/gemma4/tests/test_gemma4_serve.py"],
                     help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")

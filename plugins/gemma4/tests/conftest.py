@@ -18,13 +18,7 @@ def gemma_artifacts(tmp_path_factory):
             for i, kind in enumerate(("e2b", "26b-a4b"))}
 
 
-def plugin_flags() -> list[str]:
-    """`--plugin ninfer_gemma4.plugin` unless the package is installed (its entry point loads it)."""
-    from importlib.metadata import entry_points
-
-    if any(ep.name == "gemma4" for ep in entry_points(group="ninfer")):
-        return []
-    return ["--plugin", "ninfer_gemma4.plugin"]
+from gemma4_test_support import plugin_flags  # noqa: E402,F401  (the tests import it from there)
 
 
 @pytest.fixture(scope="session")

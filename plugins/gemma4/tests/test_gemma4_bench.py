@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import plugin_flags
+from gemma4_test_support import plugin_flags
 
 from ninfer_core.engine.model_api import SeqView
 

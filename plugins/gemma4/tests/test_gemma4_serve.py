@@ -1,14 +1,16 @@
 """`ninfer serve` on a converted random Gemma 4 artifact (E2B shape), with the real openai and
 anthropic clients: chat, streaming, Responses, Messages, a forced tool call read from Gemma's
 call syntax and its result sent back, a second turn served from the context cache whose greedy
-output equals the root's, n-gram speculative verify, chunked prefill and batched decode."""
+output equals the root's, n-gram speculative verify, chunked prefill and batched decode.
+With NINFER_TEST_DEVICE=cuda the server runs the GPU path (kernels, CUDA-Graph decode)."""
 
 import concurrent.futures as cf
+import os
 
 import httpx
 import pytest
 
-from conftest import plugin_flags
+from gemma4_test_support import plugin_flags
 
 pytest.importorskip("openai")
 import openai
@@ -21,7 +23,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def server(gemma_artifacts, launch, tmp_path_factory):
+    # NINFER_TEST_DEVICE=cuda runs the same tests on the GPU path (scripts/gpu_check.py --order gemma4)
+    device = os.environ.get("NINFER_TEST_DEVICE")
     s = launch(gemma_artifacts["e2b"], *plugin_flags(), "--greedy", "--prefill-chunk", "16",
+               *(["--device", device] if device else []),
                log_dir=tmp_path_factory.mktemp("gemma4-serve"))
     yield s
     s.stop()
