@@ -151,13 +151,16 @@ def weight_facts(runner) -> dict:
     }
 
 
-def step_bytes(facts: dict, spec, batch: int, context: int) -> float:
-    """Bytes one decode step of `batch` lanes at `context` tokens must move."""
+def step_bytes(facts: dict, spec, batch: int, context: int, runner=None) -> float:
+    """Bytes one decode step of `batch` lanes at `context` tokens must move. A lane's state slot is
+    read and written whole (recurrent state), unless the runner says what a step touches of it
+    (`decode_state_bytes(context)`: a sliding-window ring reads the window, not the whole ring)."""
     w = facts["dense_bytes"]
     if facts["expert_bytes"]:
         touched = min(facts["experts"], facts["top_k"] * batch) / facts["experts"]
         w += facts["expert_bytes"] * touched
-    per_lane = 2 * spec.state_bytes + context * spec.kv_bytes_per_token
+    state = getattr(runner, "decode_state_bytes", None)
+    per_lane = (state(context) if state is not None else 2 * spec.state_bytes) + context * spec.kv_bytes_per_token
     return w + batch * per_lane
 
 
@@ -535,7 +538,12 @@ def run_bench(a: argparse.Namespace) -> int:
     runner = family.load(art, device=str(device))
     from ninfer_core.engine.model_api import RunnerOptions
 
-    runner.configure(RunnerOptions(cuda_graph=not a.no_cuda_graph, max_lanes=max(a.decode_batches or [1])))
+    # forwards of at most the engine's default prefill chunk per lane, as `ninfer serve` runs them (a
+    # runner whose per-lane cache depends on it, a sliding-window ring, splits longer prefills)
+    from ninfer_core.config import EngineOptions
+
+    runner.configure(RunnerOptions(cuda_graph=not a.no_cuda_graph, max_lanes=max(a.decode_batches or [1]),
+                                   max_segment_tokens=EngineOptions().prefill_chunk))
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     spec = runner.cache_spec()
     facts = weight_facts(runner)
@@ -567,13 +575,13 @@ def run_bench(a: argparse.Namespace) -> int:
     dec = {}
     for b in a.decode_batches:
         d = ninfer_decode(torch, runner, lanes, b, a.decode_prompt, steps, vocab, a.seed)
-        floor = b * bw / step_bytes(facts, spec, b, d["context"])
+        floor = b * bw / step_bytes(facts, spec, b, d["context"], runner)
         dec[b] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
         print(f"decode b={b}: {d['total_tok_s']:,.1f} tok/s total", flush=True)
     res["decode"] = dec
     if a.long_context:
         d = ninfer_decode(torch, runner, long_lanes, 1, a.long_context, steps, vocab, a.seed, a.long_chunk)
-        floor = bw / step_bytes(facts, spec, 1, d["context"])
+        floor = bw / step_bytes(facts, spec, 1, d["context"], runner)
         res["decode_long"] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
         print(f"decode after {a.long_context}: {d['total_tok_s']:,.1f} tok/s", flush=True)
 

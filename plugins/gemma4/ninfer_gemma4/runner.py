@@ -114,6 +114,12 @@ class Gemma4Runner(ModelRunner):
         ring = self._ring_pages(self.page_size) * self.page_size * self._ring_bytes_per_token()
         return CacheSpec(kv_groups=tuple(groups), state_bytes=ring, state_layers=cfg.kv_layers(SLIDING))
 
+    def decode_state_bytes(self, context: int) -> int:
+        """Ring bytes one decode step moves per lane (`ninfer bench`'s floor): the window's rows read
+        and one row written per sliding layer."""
+        rows = min(context, self.cfg.sliding_window or 0) + 1
+        return rows * self._ring_bytes_per_token() if self.ring_pages else 0
+
     @property
     def ring_tokens(self) -> int:
         """Sliding-layer positions one slot holds (window + chunk, rounded up to pages)."""

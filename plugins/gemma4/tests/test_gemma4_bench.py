@@ -66,3 +66,23 @@ def test_bench_smoke_run_on_a_gemma4_artifact(gemma_artifacts, tmp_path):
     assert res["decode"]["1"]["vs_floor"] > 0 and res["decode_long"]["total_tok_s"] > 0
     assert "prefill" in res["transformers"], res["transformers"]
     assert "error" not in res["http"], res["http"]
+
+
+def test_decode_floor_counts_the_window_of_the_ring_not_the_whole_ring():
+    from ninfer_gemma4.family import Gemma4Family
+    from ninfer_gemma4.testing import shrunk_config
+
+    from ninfer_core.bench.run import step_bytes
+    from ninfer_core.engine.model_api import RunnerOptions
+
+    cfg = shrunk_config("26b-a4b", multimodal=False)
+    fam = Gemma4Family()
+    runner = fam.load(fam.random_artifact(cfg, device="cpu"), device="cpu")
+    runner.configure(RunnerOptions(max_segment_tokens=64))
+    spec = runner.cache_spec()
+    per_token = spec.state_bytes // runner.ring_tokens
+    facts = {"dense_bytes": 1000, "expert_bytes": 0, "experts": 0, "top_k": 0}
+    window = cfg["sliding_window"]
+    assert spec.state_bytes > (window + 1) * per_token  # the ring holds the chunk too
+    assert step_bytes(facts, spec, 1, 500, runner) == 1000 + (window + 1) * per_token + 500 * spec.kv_bytes_per_token
+    assert step_bytes(facts, spec, 2, 3, runner) == 1000 + 2 * (4 * per_token + 3 * spec.kv_bytes_per_token)
