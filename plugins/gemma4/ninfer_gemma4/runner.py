@@ -118,7 +118,7 @@ class Gemma4Runner(ModelRunner):
         """Ring bytes one decode step moves per lane (`ninfer bench`'s floor): the window's rows read
         and one row written per sliding layer."""
         rows = min(context, self.cfg.sliding_window or 0) + 1
-        return rows * self._ring_bytes_per_token() if self.ring_pages else 0
+        return rows * self._ring_bytes_per_token() if self._ring_pages(self.page_size) else 0
 
     @property
     def ring_tokens(self) -> int:
