@@ -73,22 +73,32 @@ class Gemma4TextModel(nn.Module):
             self.per_layer_model_projection = nn.Linear(h, cfg.num_hidden_layers * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
         self.freqs: dict[str, torch.Tensor] = {}
+        self._consts: dict = {}
 
     def init_rotary(self, device) -> None:
         cfg = self.cfg
         self.freqs = {SLIDING: inv_freq(cfg.rope[SLIDING], cfg.head_dim, device),
                       GLOBAL: inv_freq(cfg.rope[GLOBAL], cfg.global_head_dim, device)}
 
+    def _const(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        """A scalar in `like`'s dtype on its device, made once: rounded to the dtype as transformers
+        rounds its embedding scales, and no host copy inside a CUDA-Graph capture."""
+        key = (value, like.dtype, like.device)
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+        return t
+
     def scaled_embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+        return self.embed_tokens(ids) * self._const(self.cfg.hidden_size ** 0.5, w)
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[N, layers, ple] = (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(ple)) / sqrt(2)."""
         cfg = self.cfg
         n, p = ids.shape[0], cfg.hidden_size_per_layer_input
         w = self.embed_tokens_per_layer.weight
-        table = self.embed_tokens_per_layer(ids) * torch.tensor(p ** 0.5, dtype=w.dtype, device=w.device)
+        table = self.embed_tokens_per_layer(ids) * self._const(p ** 0.5, w)
         proj = self.per_layer_model_projection(x) * (cfg.hidden_size ** -0.5)
         proj = self.per_layer_projection_norm(proj.reshape(n, cfg.num_hidden_layers, p))
         return (proj + table.reshape(n, cfg.num_hidden_layers, p)) * (2.0 ** -0.5)

@@ -74,7 +74,9 @@ def check(dtype=torch.float32, device="cpu", tol=1e-4, shapes=SHAPES):
         for b, (s, n) in enumerate(zip(starts, qlens)):
             want = dense_attention(q[off: off + n].cpu().float(), dk[b].float(), dv[b].float(),
                                    torch.arange(s, s + n), window, scale)
-            assert torch.allclose(ref[off: off + n].double(), want, atol=1e-5), f"reference wrong in shape {i}"
+            # fp32 against fp64: long rows of wide heads (the real geometry) round at ~1e-5 of the scale
+            bound = 1e-5 * max(1.0, float(want.abs().max())) * (1 if n * d < 4096 else 10)
+            assert torch.allclose(ref[off: off + n].double(), want, atol=bound), f"reference wrong in shape {i}"
             off += n
         assert use_triton(q), "the kernel would not run"
         got = paged_attention(q, kc, vc, tables, starts, qlens, window, scale).float().cpu()
