@@ -100,6 +100,20 @@ def hf_model(config: dict, seed: int = 0, std: float = 0.05):
     return model.eval()
 
 
+def temper_attention(model) -> None:
+    """Scale the q_norm / k_norm weights of a random model by head_dim^-1/4, so attention scores
+    (Gemma 4 uses softmax scale 1, the norms set the logit size) have a spread of order one, as in
+    a trained model. With norm weights near 1 the scores of a 256-wide head spread by ~16, softmax
+    is one-hot and a bf16 rounding of q or k flips it: transformers' own bf16 model then differs
+    from its fp32 model by more than its logits' size, and no bf16 comparison means anything."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(p.shape[0] ** -0.25)
+
+
 def write_hf_checkpoint(path, kind: str = "e2b", seed: int = 0, **shrink) -> Path:
     """A Hugging Face directory: config.json, model.safetensors, tokenizer files, chat template."""
     from ninfer_gemma4.test_tokenizer import write_tokenizer_files

@@ -58,27 +58,38 @@ def test_kernel_at_the_real_head_geometry_bf16():
 
 @pytest.mark.parametrize("kind", ["31b", "26b-a4b"])
 def test_runner_bf16_parity_with_transformers_at_real_widths(kind):
+    """Ours in bf16 against transformers in fp32 (the truth), beside transformers' own bf16 model
+    against the same truth: within 1e-2, or no further from it than transformers' bf16 (when the
+    random model's bf16 noise floor is above 1e-2 both figures show it)."""
     from ninfer_gemma4.family import Gemma4Family
-    from ninfer_gemma4.testing import hf_model
+    from ninfer_gemma4.testing import hf_model, temper_attention
 
     from ninfer_core.engine.model_api import LOGITS_ALL, ForwardBatch, LaneSegment
 
     cfg = real_config(kind)
-    ref = hf_model(cfg, seed=3, std=0.02).to("cuda", torch.bfloat16)
-    state = {k: v for k, v in ref.state_dict().items()}
-    runner = Gemma4Family().load(StateArtifact(cfg, state), device="cuda", dtype="bfloat16")
-    runner.allocate_cache(64, 2, page_size=64)
-    groups = runner.cache_spec().group_names
+    ref = hf_model(cfg, seed=3, std=0.02)
+    temper_attention(ref)
+    ref = ref.to("cuda")
     ids = torch.randint(3, 262144, (1500,), generator=torch.Generator().manual_seed(5)).tolist()  # past the window
+    x = torch.tensor([ids], device="cuda")
     with torch.no_grad():
-        want = ref(input_ids=torch.tensor([ids], device="cuda")).logits[0].float()
-    tables = {g: list(range(32)) for g in groups}
+        truth = ref(input_ids=x).logits[0].float()
+        ref = ref.to(torch.bfloat16)
+        hf16 = ref(input_ids=x).logits[0].float()
+    runner = Gemma4Family().load(StateArtifact(cfg, dict(ref.state_dict())), device="cuda", dtype="bfloat16")
+    runner.allocate_cache(64, 2, page_size=64)
+    tables = {g: list(range(32)) for g in runner.cache_spec().group_names}
     got = torch.cat([runner.forward(ForwardBatch([LaneSegment(0, tables, s, ids[s:s + 512], logits=LOGITS_ALL)]))[0]
                      .logits.float() for s in range(0, len(ids), 512)])
-    err = float((got - want).abs().max() / want.abs().max())
-    print(f"PARITY gemma4 {kind} bf16 (6 layers at real widths, 1500 tokens in chunks of 512): "
-          f"max relative logits error {err:.2e}")
-    assert err <= TOL
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    err, hf_err, vs_hf16 = rel(got, truth), rel(hf16, truth), rel(got, hf16)
+    print(f"PARITY gemma4 {kind} bf16 (6 layers at real widths, 1500 tokens in chunks of 512): max relative logits "
+          f"error {err:.2e} against transformers fp32 (transformers bf16: {hf_err:.2e}; ours vs transformers bf16 "
+          f"{vs_hf16:.2e})")
+    assert err <= max(TOL, 1.25 * hf_err)
 
 
 @pytest.mark.parametrize("kind", ["31b", "26b-a4b"])
