@@ -11,6 +11,12 @@ from torch.nn import functional as F
 from ninfer_gemma4.config import Gemma4Config, RopeSpec
 
 
+def _use_kernels(x: torch.Tensor) -> bool:
+    from ninfer_gemma4.gpu.attention import use_triton
+
+    return use_triton(x)
+
+
 class RMSNorm(nn.Module):
     """x * (mean(x^2) + eps)^-1/2 * weight, in fp32 (Gemma 4 scales by the weight itself, not 1 + w)."""
 
@@ -20,6 +26,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_kernels(x):  # one launch on the GPU path (gpu/norm.py); the lines below are its reference
+            from ninfer_gemma4.gpu.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:

@@ -152,8 +152,26 @@ def check_experts(dtype=torch.float32, device="cpu", tol=1e-4):
     print(f"gemma4 expert GEMV: max relative error {err:.2e}; decode experts vs loop {err2:.2e} ({dtype})")
 
 
+def check_norm(dtype=torch.float32, device="cpu", tol=1e-5):
+    """The one-launch RMSNorm against its torch reference: scaled and unscaled, rows of any rank,
+    widths not a power of two."""
+    from ninfer_gemma4.gpu.norm import ref_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(8)
+    worst = 0.0
+    for shape, scaled in (((3, 96), True), ((5, 4, 48), True), ((2, 3, 40), False), ((1, 5376), True)):
+        x = (3 * torch.randn(*shape, generator=gen)).to(device, dtype)
+        w = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(device, dtype) if scaled else None
+        got, want = rms_norm(x, w, 1e-6).float().cpu(), ref_rms_norm(x, w, 1e-6).float().cpu()
+        err = float((got - want).abs().max() / want.abs().max())
+        worst = max(worst, err)
+        assert err <= tol, f"rms norm {shape}: {err:.2e}"
+    print(f"gemma4 rms norm: worst max relative error {worst:.2e} ({dtype})")
+
+
 def interpreted():
     check()
+    check_norm()
     check_ring()
     check_experts()
 
@@ -165,7 +183,10 @@ def runner_interpret():
     import tempfile
 
     import ninfer_gemma4.attention as attention
+    import ninfer_gemma4.layers as layers
     from ninfer_gemma4.family import Gemma4Family
+
+    layers._use_kernels = lambda x: False  # the norm kernel has its own check (check_norm); interpreted it is slow
     from ninfer_gemma4.testing import build_tiny_artifact
 
     from ninfer_core.artifact import Artifact
@@ -218,8 +239,11 @@ def graph_body_interpret():
     the ring wrapping (both test shapes, MoE included)."""
     import tempfile
 
+    import ninfer_gemma4.layers as layers
     from ninfer_gemma4.family import Gemma4Family
     from ninfer_gemma4.gpu.graphs import DecodeGraphs
+
+    layers._use_kernels = lambda x: False  # as in runner_interpret
     from ninfer_gemma4.testing import build_tiny_artifact
 
     from ninfer_core.artifact import Artifact
