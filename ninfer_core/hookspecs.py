@@ -70,6 +70,25 @@ def ninfer_register_prefix_caches(register):
 
 
 @hookspec
+def ninfer_register_chat_templates(register):
+    """Register built-in chat templates: `register(name, target)`; `--chat-template NAME` picks one.
+
+    `target` is "module:attribute" of the template's Jinja source text (a str). Core ships none:
+    the names are those of the formats the installed families speak (llama-server's built-in names).
+    """
+
+
+@hookspec
+def ninfer_register_bench_shapes(register):
+    """Register model shapes for `ninfer bench --shape NAME`: `register(name, target, default=False)`.
+
+    `target` is "module:attribute" of a Hugging Face config dict (its `model_type` picks the family,
+    which builds random weights at that shape through `random_artifact`). `default=True` marks the
+    shape `ninfer bench` runs when none is named.
+    """
+
+
+@hookspec
 def ninfer_register_protocols(register):
     """Register API protocols: `register(name, target)`.
 

@@ -50,18 +50,16 @@ KINDS = {
     "vision_residency": "ninfer_register_vision_residencies",
     "prefix_cache": "ninfer_register_prefix_caches",
     "protocol": "ninfer_register_protocols",
+    "chat_template": "ninfer_register_chat_templates",
+    "bench_shape": "ninfer_register_bench_shapes",
 }
 
-# Architectures we know a package for, so a missing family names what to install.
-KNOWN_FAMILY_PACKAGES = {
-    "qwen3_5": "ninfer-qwen35",
-    "qwen3_5_moe": "ninfer-qwen35",
-    "qwen3_5_text": "ninfer-qwen35",
-    "qwen3_5_moe_text": "ninfer-qwen35",
-    "gemma4": "ninfer-gemma4",
-    "gemma4_text": "ninfer-gemma4",
-    "qwen4_exp": "ninfer-flash-next",
-}
+# Architectures we know a package for, so a missing family names what to install (the project's
+# catalog of distributions, kept outside this package: ninfer_catalog).
+try:
+    from ninfer_catalog import FAMILY_PACKAGES as KNOWN_FAMILY_PACKAGES
+except ImportError:  # pragma: no cover - a core installed without its catalog: generic hints
+    KNOWN_FAMILY_PACKAGES = {}
 
 
 # Speculative backends and serve options we know a package for, so a missing one names what to install.

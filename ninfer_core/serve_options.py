@@ -83,8 +83,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model and chat format")
     g.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                   help="a built-in template name (chatml, qwen35), a Jinja file, or inline Jinja source (default: "
-                        "the artifact's, else its model family's)")
+                   help="a built-in template name (those the installed family plugins register: "
+                        "`ninfer plugins` lists them), a Jinja file, or inline Jinja source (default: the "
+                        "artifact's, else its model family's)")
     g.add_argument("--no-thinking", action="store_true", help="requests that do not ask think without a "
                    "reasoning block (default: thinking on)")
     g.add_argument("--preserve-thinking", action="store_true",
@@ -186,8 +187,8 @@ def add_thinking_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-thinking-budget", type=_positive(1), default=None, metavar="N",
                    help="thinking-token cap for requests that think and name no budget (default: none)")
     g.add_argument("--thinking-budget-message", default=None, metavar="TEXT",
-                   help="guidance inserted at the thinking budget; the </think> close is appended when missing "
-                        "(default: a built-in notice)")
+                   help="guidance inserted at the thinking budget; the chat format's reasoning close is "
+                        "appended when missing (default: a built-in notice)")
     g.add_argument("--default-reasoning-effort", choices=EFFORT_VALUES, default=None,
                    help="effort for requests that name none (default: unset)")
     g.add_argument("--post-thinking", action="store_true",

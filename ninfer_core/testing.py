@@ -408,20 +408,6 @@ async def collect(handle, on_event: Callable[[EngineEvent], None] | None = None)
     return out
 
 
-def byte_tokenizer_section() -> dict:
-    """A real byte-level BPE section (256 byte tokens) with the Qwen control tokens after them."""
-    import base64
-
-    added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-             "</tool_call>", "<tool_response>", "</tool_response>"]
-    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
-    return {"type": "bpe", "ranks": ranks,
-            "pattern": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            "added_tokens": [{"id": 256 + i, "content": c, "special": c.startswith("<|")}
-                             for i, c in enumerate(added)],
-            "eos_tokens": ["<|im_end|>"], "pad_token": "<|endoftext|>", "bos_token": None}
-
-
 def wait_server_idle(server, timeout: float = 20.0) -> dict:
     """Poll a live server's GET /v1/load until nothing runs, waits or is admitted; returns that
     report. `server` has a `base_url`. Fails the calling test after `timeout` seconds."""

@@ -6,6 +6,10 @@ Run on the device from the repository root (the wheels of the packages missing t
 into PYTHONPATH first; see docs/bench.md):
 
     python3 scripts/gpu_check.py --out $OUT --bench qwen3.5-9b qwen3.5-27b
+
+Gemma 4 (issue 16): `--order gemma4 --bench` runs plugins/gemma4's CUDA checks (the Triton
+sliding-window attention in bf16 at the real head geometry; the runner in bf16 against
+transformers at the 31B and 26B-A4B widths, within 1e-2).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ def main() -> int:
     ap.add_argument("--replay", nargs="*", default=[], help="shapes for the context-cache replay (none: skip)")
     ap.add_argument("--replay-args", default="--turns 2 --system-tokens 28000 --reply-tokens 16 --profile-replay",
                     help="extra arguments for every replay run")
+    ap.add_argument("--gemma4-tests", nargs="*", default=["plugins/gemma4/tests/test_gemma4_gpu.py",
+                                                          "plugins/gemma4/tests/test_gemma4_serve.py"],
+                    help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
@@ -112,7 +119,17 @@ def main() -> int:
             start = text.find("replay: ")
             summary.append(text[start:].strip() if start >= 0 else text[-3000:])
 
-    parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench}
+    def part_gemma4():
+        left = a.budget - (time.monotonic() - t_start)
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *a.gemma4_tests],
+                           os.path.join(a.out, "gemma4.log"), max(60, left - 30))
+        summary.append(f"== Gemma 4 GPU checks rc={rc} in {dt:.0f} s")
+        summary.extend(ln for ln in text.splitlines() if ln.startswith("PARITY") or " passed" in ln
+                       or " failed" in ln)
+        if rc != 0:
+            summary.append(text[-4000:])
+
+    parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4}
     for name in a.order.split(","):
         parts[name.strip()]()
 

@@ -27,10 +27,13 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# the byte-level tokenizer fixture with the Qwen3.5 format the tests use (tests/qwen_format.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import torch
+from qwen_format import QWEN35_TEMPLATE, byte_tokenizer_section, sampling_presets, with_format
 
-from ninfer_core.testing import ToyRunner, byte_tokenizer_section
+from ninfer_core.testing import ToyRunner
 
 TEXT = b"the quick brown fox jumps over the lazy dog "
 
@@ -102,14 +105,13 @@ def serve(runner, clients: int, tokens: int):
     from ninfer_core.plugins import PluginHost, PluginSelection
     from ninfer_core.server.app import create_app
     from ninfer_core.server.context import ServedModel, ServerContext
-    from ninfer_core.server.prepare import default_sampling_presets
     from ninfer_core.server.serve import bind_socket
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     host = PluginHost(PluginSelection(autoload=False))
     host.load()
-    tok = Tokenizer.from_section(byte_tokenizer_section())
+    tok = with_format(Tokenizer.from_section(byte_tokenizer_section()))
     template = ChatTemplate(QWEN35_TEMPLATE)
     prompt_len = len(tok.encode(template.render([{"role": "user", "content": "Benchmark prompt number 0: say anything."}])))
     max_context = prompt_len + tokens + 64
@@ -121,7 +123,7 @@ def serve(runner, clients: int, tokens: int):
     ctx.model = ServedModel(id="bench", artifact_path="stand-in", architecture="qwen3_5",
                             max_model_len=eng_opts.max_context, n_vocab=tok.vocab_size)
     ctx.tokenizer, ctx.chat_template, ctx.engine = tok, template, engine
-    ctx.sampling_presets = default_sampling_presets("qwen3_5", None)
+    ctx.sampling_presets = sampling_presets()
     ctx.mark_ready()
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level="warning", lifespan="off"))

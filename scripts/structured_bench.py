@@ -71,12 +71,12 @@ def replay(so, compiled, doc, grammar, semantic, total) -> None:
 
 
 def masks(a) -> dict:
+    from ninfer_qwen35.chat import qwen35_tokenizer_section
     from structured_corpus import CORPUS
 
     from ninfer_core.structured.compiler import StructuredOutput
     from ninfer_core.structured.formats import ResponseFormat
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
 
     tok = Tokenizer.from_section(qwen35_tokenizer_section())
     t0 = time.perf_counter()

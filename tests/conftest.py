@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ninfer_core.testing import byte_tokenizer_section  # noqa: F401 - used by fixtures below
 import pytest
+from qwen_format import byte_tokenizer_section, with_format  # noqa: F401 - used by fixtures below
 
 REPO = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"listening on http://([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
@@ -27,7 +27,7 @@ _LISTEN = re.compile(r"listening on http://([0-9.]+|\[[0-9a-f:]+\]):(\d+)")
 def tiny_artifact(tmp_path_factory) -> str:
     """A tiny random dense Qwen3.5 artifact with the real Qwen tokenizer and chat template."""
     testing = pytest.importorskip("ninfer_qwen35.testing")
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from qwen_format import qwen35_tokenizer_section
 
     path = tmp_path_factory.mktemp("artifact") / "tiny-dense.ninfer"
     return testing.build_tiny_artifact(str(path), kind="dense", tokenizer_section=qwen35_tokenizer_section())
@@ -213,25 +213,26 @@ class FakeEngine:
 def make_app():
     """make_app(**serve_options) -> (TestClient, ctx, fake engine): a ready app over a FakeEngine."""
     from fastapi.testclient import TestClient
+    from qwen_format import QWEN35_TEMPLATE
+    from qwen_format import sampling_presets as qwen_sampling_presets
 
     from ninfer_core.config import EngineOptions, ServeOptions
     from ninfer_core.plugins import PluginHost, PluginSelection
     from ninfer_core.server.app import create_app
     from ninfer_core.server.context import ServedModel, ServerContext
-    from ninfer_core.server.prepare import default_sampling_presets
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     clients = []
 
     def make(ready: bool = True, engine_options: dict | None = None, builtins=None, **options):
         opts = ServeOptions(artifact="/models/test.ninfer", engine=EngineOptions(**(engine_options or {})),
                             **options)
-        tok = Tokenizer.from_section(byte_tokenizer_section())
+        tok = with_format(Tokenizer.from_section(byte_tokenizer_section()))
         engine = FakeEngine(tok)
         host = PluginHost(PluginSelection(autoload=False), builtins=builtins)
         ctx = ServerContext(options=opts, plugins=host, tokenizer=tok, chat_template=ChatTemplate(QWEN35_TEMPLATE),
-                            engine=engine, sampling_presets=default_sampling_presets("qwen3_5"))
+                            engine=engine, sampling_presets=qwen_sampling_presets())
         ctx.model = ServedModel(id=opts.model_id or "test-model", artifact_path=opts.artifact,
                                 architecture="qwen3_5", max_model_len=opts.engine.max_context,
                                 n_vocab=tok.vocab_size, n_ctx_train=32768, n_embd=64, n_params=1000, size=4000,

@@ -575,7 +575,9 @@ def test_plan_thinking_display_budget_and_effort(app):
     assert plan.thinking and plan.display_omitted and plan.thinking_budget == 2048
     assert plan.template_kwargs["reasoning_effort"] == "high"  # the project's template accepts every value
     # a template that accepts fewer values gets the nearest one (the shared probe, ties round up)
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from qwen_format import QWEN35_TEMPLATE
+
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     guard = ("{%- if reasoning_effort is defined and reasoning_effort not in ('low', 'medium', 'xhigh') -%}"
              "{{- raise_exception('effort') -}}{%- endif -%}")

@@ -11,6 +11,7 @@ import base64
 import json
 
 import pytest
+from qwen_format import QWEN35_CHAT_FORMAT
 
 from ninfer_core.protocols.anthropic import BlockWriter
 from ninfer_core.protocols.anthropic_history import SIGNATURE_PREFIX
@@ -51,7 +52,8 @@ def chunkings(text: str):
 
 
 def run(output: str, in_reasoning: bool, tools, chunks, omitted: bool = False):
-    decoder = OutputDecoder(in_reasoning=in_reasoning, tools=tools if tools else None, id_prefix="toolu_")
+    decoder = OutputDecoder(in_reasoning=in_reasoning, tools=tools if tools else None, id_prefix="toolu_",
+                            chat_format=QWEN35_CHAT_FORMAT)
     writer = BlockWriter(omitted)
     events = []
     for piece in chunks:

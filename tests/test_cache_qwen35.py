@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("ninfer_qwen35")
 
+from qwen_format import QWEN35_TEMPLATE, with_format
+
 from ninfer_core.artifact import Artifact
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import GenerationRequest, SamplingParams
@@ -22,7 +24,7 @@ from ninfer_core.engine.model_api import SeqView
 from ninfer_core.engine.pages import pages_for
 from ninfer_core.testing import collect, run_async
 from ninfer_core.tokenizer import Tokenizer
-from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+from ninfer_core.tokenizer.chat_template import ChatTemplate
 
 GREEDY = SamplingParams(temperature=0.0)
 TEMPLATE = ChatTemplate(QWEN35_TEMPLATE)
@@ -38,7 +40,7 @@ def model(tmp_path_factory):
     path = build_tiny_artifact(tmp_path_factory.mktemp("cache") / "tiny.ninfer", seed=5,
                                tokenizer_section=section)
     art = Artifact.open(path)
-    return art, Qwen35Family(), Tokenizer.from_section(section)
+    return art, Qwen35Family(), with_format(Tokenizer.from_section(section))
 
 
 _engines: list[Engine] = []

@@ -19,17 +19,20 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture
 def qwen():
-    from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from qwen_format import qwen35_tokenizer_section, with_format
 
-    return Tokenizer.from_section(qwen35_tokenizer_section())
+    from ninfer_core.tokenizer import Tokenizer
+
+    return with_format(Tokenizer.from_section(qwen35_tokenizer_section()))
 
 
 def _render(tok, messages, preserve=None):
-    from ninfer_core.tokenizer.chat_template import render_ids
+    from qwen_format import QWEN35_TEMPLATE
+
+    from ninfer_core.tokenizer.chat_template import ChatTemplate, render_ids
 
     kw = {} if preserve is None else {"preserve_thinking": preserve}
-    return render_ids(tok, messages, **kw)
+    return render_ids(tok, messages, template=ChatTemplate(QWEN35_TEMPLATE), **kw)
 
 
 def test_turn_closure_follows_preserve_thinking(qwen):

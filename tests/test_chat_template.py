@@ -1,10 +1,10 @@
 """The project's Qwen3.5 chat template, the sandboxed renderer, and prompt encoding."""
 
 import pytest
+from qwen_format import QWEN35_TEMPLATE, qwen35_tokenizer_section, with_format
 
 from ninfer_core.tokenizer import Tokenizer
-from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate, TemplateError, render_ids
-from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+from ninfer_core.tokenizer.chat_template import ChatTemplate, TemplateError, render_ids
 
 IM_START, IM_END, THINK, END_THINK = 248045, 248046, 248068, 248069
 
@@ -47,7 +47,7 @@ def template():
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_section(qwen35_tokenizer_section())
+    return with_format(Tokenizer.from_section(qwen35_tokenizer_section()))
 
 
 def test_simple_chat(template):
@@ -265,7 +265,7 @@ def test_render_ids_equals_plain_encoding_without_quoted_tokens(template, tok):
                 {"role": "user", "content": "again"}]
     text = template.render(messages, tools=[WEATHER])
     assert template.render_ids(tok, messages, tools=[WEATHER]) == tok.encode(text)
-    assert render_ids(tok, messages, tools=[WEATHER]) == tok.encode(text)
+    assert render_ids(tok, messages, tools=[WEATHER], template=template) == tok.encode(text)
 
 
 def test_quoted_tokens_in_tools_reasoning_arguments_and_kwargs(tok):

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
+from qwen_format import byte_tokenizer_section
 
 from ninfer_core.artifact import Artifact, TensorSpec, write_artifact
 from ninfer_core.artifact.proposal import TOKEN_IDS, WEIGHT, choose_ids
-from ninfer_core.testing import byte_tokenizer_section
 
 V, H = 300, 8
 

@@ -27,10 +27,11 @@ _TOKENIZER = None
 def qwen_tokenizer():
     global _TOKENIZER
     if _TOKENIZER is None:
-        from ninfer_core.tokenizer import Tokenizer
-        from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+        from qwen_format import qwen35_tokenizer_section, with_format
 
-        _TOKENIZER = Tokenizer.from_section(qwen35_tokenizer_section())
+        from ninfer_core.tokenizer import Tokenizer
+
+        _TOKENIZER = with_format(Tokenizer.from_section(qwen35_tokenizer_section()))
     return _TOKENIZER
 
 
@@ -77,14 +78,15 @@ def assert_idle(engine) -> None:
 def raw_app():
     """raw_app(policy=None, engine_options=None, **serve_options) -> (TestClient, ctx, engine, runner)."""
     from fastapi.testclient import TestClient
+    from qwen_format import QWEN35_TEMPLATE
+    from qwen_format import sampling_presets as qwen_sampling_presets
 
     from ninfer_core.config import EngineOptions, ServeOptions
     from ninfer_core.engine.engine import Engine
     from ninfer_core.plugins import PluginHost, PluginSelection
     from ninfer_core.server.app import create_app
     from ninfer_core.server.context import ServedModel, ServerContext
-    from ninfer_core.server.prepare import default_sampling_presets
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     made = []
 
@@ -97,7 +99,7 @@ def raw_app():
         engine.start()
         ctx = ServerContext(options=opts, plugins=PluginHost(PluginSelection(autoload=False), builtins=BUILTINS),
                             tokenizer=tok, chat_template=ChatTemplate(QWEN35_TEMPLATE), engine=engine,
-                            sampling_presets=default_sampling_presets("qwen3_5"))
+                            sampling_presets=qwen_sampling_presets())
         ctx.model = ServedModel(id="toy-model", artifact_path=opts.artifact, architecture="qwen3_5",
                                 max_model_len=opts.engine.max_context, n_vocab=tok.vocab_size)
         ctx.mark_ready()

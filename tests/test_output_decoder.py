@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from qwen_format import QWEN35_CHAT_FORMAT
 
 from ninfer_core.server.output import OutputDecoder, OutputEvent
 from ninfer_core.tokenizer.toolcalls import MALFORMED_TOOL
@@ -42,7 +43,8 @@ CORPUS = [
 
 
 def run_decoder(chunks, in_reasoning, tools, parallel=True):
-    dec = OutputDecoder(in_reasoning=in_reasoning, tools=TOOLS if tools else None, parallel_tool_calls=parallel)
+    dec = OutputDecoder(in_reasoning=in_reasoning, tools=TOOLS if tools else None, parallel_tool_calls=parallel,
+                        chat_format=QWEN35_CHAT_FORMAT)
     events: list[OutputEvent] = []
     for c in chunks:
         events += dec.feed(c)
@@ -97,21 +99,21 @@ def test_three_way_splits(case):
 
 
 def test_answer_text_streams_before_the_end():
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS)
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, chat_format=QWEN35_CHAT_FORMAT)
     assert [(e.kind, e.text) for e in dec.feed("Hello world, ")] == [("content", "Hello world,")]
     # the trailing space was held back (a call may follow it), released with the next text
     assert [(e.kind, e.text) for e in dec.feed("more")] == [("content", " more")]
 
 
 def test_only_an_ambiguous_marker_prefix_is_held():
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS)
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, chat_format=QWEN35_CHAT_FORMAT)
     assert [e.text for e in dec.feed("a <tool")] == ["a"]
     assert [e.text for e in dec.feed("kit>")] == [" <toolkit>"]
     assert [e.text for e in dec.feed(" <tool_call> words")] == [" <tool_call> words"]
 
 
 def test_region_that_opens_a_function_is_held_until_finish():
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS)
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, chat_format=QWEN35_CHAT_FORMAT)
     assert [e.text for e in dec.feed("ok\n\n<tool_call>\n<function=run>\n")] == ["ok"]
     assert dec.feed("<parameter=cmd>\nls\n</parameter>\n</function>\n</tool_call>") == []
     events = dec.finish()
@@ -126,7 +128,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 
 def test_id_prefix_and_unique_ids():
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, id_prefix="toolu_")
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, id_prefix="toolu_", chat_format=QWEN35_CHAT_FORMAT)
     dec.feed(CALL + CALL)
     dec.finish()
     ids = [c.id for c in dec.tool_calls]
@@ -141,7 +143,7 @@ def test_id_prefix_and_unique_ids():
 ])
 def test_forced_call_continues_the_opener_and_closes_it(tail):
     opener = "<tool_call>\n<function=run>\n"
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, forced_call=opener)
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, forced_call=opener, chat_format=QWEN35_CHAT_FORMAT)
     events = []
     for ch in tail:
         events += dec.feed(ch)
@@ -153,14 +155,15 @@ def test_forced_call_continues_the_opener_and_closes_it(tail):
 
 
 def test_forced_call_that_cannot_be_read_is_malformed():
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, forced_call="<tool_call>\n<function=run>\n")
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, forced_call="<tool_call>\n<function=run>\n",
+                        chat_format=QWEN35_CHAT_FORMAT)
     dec.feed("garbage <<")
     dec.finish()
     assert [c.name for c in dec.tool_calls] == [MALFORMED_TOOL]
 
 
 def test_feed_after_finish_is_an_error():
-    dec = OutputDecoder(in_reasoning=False)
+    dec = OutputDecoder(in_reasoning=False, chat_format=QWEN35_CHAT_FORMAT)
     dec.finish()
     with pytest.raises(RuntimeError):
         dec.feed("x")
@@ -171,6 +174,7 @@ class _Tok:
     """Token ids -> bytes for LogprobChannel: 1 <think>, 2 </think>, others one character."""
 
     table = {1: b"<think>", 2: b"</think>", 3: b"\n\n", 4: b"a", 5: b" ", 6: b"\n", 7: b"b"}
+    chat_format = QWEN35_CHAT_FORMAT
 
     def token_to_id(self, text):
         return {"<think>": 1, "</think>": 2}.get(text)
@@ -218,7 +222,8 @@ def test_undeclared_function_is_text_when_asked(as_text):
     # Responses: only the effective tool set becomes structured calls; Chat recovers the call.
     undeclared = "Let me try.\n" + CALL.replace("function=run", "function=delete_everything")
     for chunks in ([undeclared], list(undeclared)):
-        dec = OutputDecoder(in_reasoning=False, tools=TOOLS, undeclared_as_text=as_text)
+        dec = OutputDecoder(in_reasoning=False, tools=TOOLS, undeclared_as_text=as_text,
+                            chat_format=QWEN35_CHAT_FORMAT)
         events = [e for c in chunks for e in dec.feed(c)] + dec.finish()
         calls = [e.tool_call for e in events if e.kind == "tool_call"]
         if as_text:
@@ -227,7 +232,8 @@ def test_undeclared_function_is_text_when_asked(as_text):
         else:
             assert [c.name for c in calls] == [MALFORMED_TOOL] and dec.content == "Let me try."
     # a declared call still parses with the flag on
-    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, undeclared_as_text=True)
+    dec = OutputDecoder(in_reasoning=False, tools=TOOLS, undeclared_as_text=True,
+                        chat_format=QWEN35_CHAT_FORMAT)
     dec.feed(CALL)
     dec.finish()
     assert [c.name for c in dec.tool_calls] == ["run"]

@@ -19,7 +19,7 @@ def merged(events):
 
 
 def run(chunks, in_reasoning):
-    splitter = ReasoningSplitter(in_reasoning)
+    splitter = ReasoningSplitter(in_reasoning, "<think>", "</think>")
     events = []
     for chunk in chunks:
         events += splitter.feed(chunk)
@@ -89,7 +89,7 @@ def test_every_two_split_points(output, in_reasoning, expected):
 
 
 def test_holds_back_only_a_possible_marker():
-    s = ReasoningSplitter(True)
+    s = ReasoningSplitter(True, "<think>", "</think>")
     assert s.feed("abc") == [("reasoning", "abc")]
     assert s.feed(" </th") == [("reasoning", " ")]
     assert s.feed("ought") == [("reasoning", "</thought")]
@@ -103,7 +103,7 @@ def test_holds_back_only_a_possible_marker():
 
 
 def test_content_mode_streams_immediately():
-    s = ReasoningSplitter(False)
+    s = ReasoningSplitter(False, "<think>", "</think>")
     assert s.feed("<th") == []
     assert s.feed("ank") == [("content", "<thank")]
     assert s.feed("</think>") == [("content", "</think>")]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_server_chat import sse_events
 
 from ninfer_core.config import EngineOptions, ServeOptions, ThinkingOptions
 from ninfer_core.engine.engine import Engine
 from ninfer_core.testing import ToyRunner
-from test_server_chat import sse_events
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
@@ -63,19 +63,19 @@ class RecordingEngine(Engine):
 @pytest.fixture
 def toy_app():
     from fastapi.testclient import TestClient
+    from qwen_format import QWEN35_TEMPLATE, byte_tokenizer_section, with_format
+    from qwen_format import sampling_presets as qwen_sampling_presets
 
     from ninfer_core.plugins import PluginHost, PluginSelection
     from ninfer_core.server.app import create_app
     from ninfer_core.server.context import ServedModel, ServerContext
-    from ninfer_core.server.prepare import default_sampling_presets
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
-    from ninfer_core.testing import byte_tokenizer_section
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     made = []
 
     def make(thinking: ThinkingOptions | None = None, **options):
-        tok = Tokenizer.from_section(byte_tokenizer_section())
+        tok = with_format(Tokenizer.from_section(byte_tokenizer_section()))
         script = PromptScript(tok)
         eng_opts = EngineOptions(max_context=4096, prefill_chunk=4096)
         opts = ServeOptions(artifact="/models/toy.ninfer", engine=eng_opts, thinking=thinking or ThinkingOptions(),
@@ -85,7 +85,7 @@ def toy_app():
         engine.start()
         ctx = ServerContext(options=opts, plugins=PluginHost(PluginSelection(autoload=False)), tokenizer=tok,
                             chat_template=ChatTemplate(QWEN35_TEMPLATE), engine=engine,
-                            sampling_presets=default_sampling_presets("qwen3_5"))
+                            sampling_presets=qwen_sampling_presets())
         ctx.model = ServedModel(id="toy", artifact_path=opts.artifact, architecture="qwen3_5",
                                 max_model_len=4096, n_vocab=tok.vocab_size)
         ctx.mark_ready()

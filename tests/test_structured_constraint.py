@@ -15,6 +15,7 @@ import random
 import jsonschema
 import numpy as np
 import pytest
+from qwen_format import QWEN35_CHAT_FORMAT, with_format
 from structured_corpus import CORPUS, STRICT
 
 from ninfer_core.engine.api import EngineError
@@ -24,10 +25,11 @@ from ninfer_core.structured.formats import ResponseFormat
 
 @pytest.fixture(scope="module")
 def qwen():
-    from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from qwen_format import qwen35_tokenizer_section, with_format
 
-    tok = Tokenizer.from_section(qwen35_tokenizer_section())
+    from ninfer_core.tokenizer import Tokenizer
+
+    tok = with_format(Tokenizer.from_section(qwen35_tokenizer_section()))
     so = StructuredOutput(tok, 248320)
     so.warm()
     return tok, so
@@ -43,7 +45,7 @@ def tiny():
     if path is None:
         pytest.skip("ninfer-tiny ships no artifact here")
     art = Artifact.open(path)
-    tok = Tokenizer.from_section(art.tokenizer_section)
+    tok = with_format(Tokenizer.from_section(art.tokenizer_section))
     return tok, StructuredOutput(tok, int(art.config.get("vocab_size", 8448)))
 
 
@@ -316,7 +318,8 @@ def test_a_forced_call_follows_the_parameter_schema(qwen):
         if not finished:
             continue
         done += 1
-        dec = OutputDecoder(in_reasoning=False, tools=tools, forced_call="<tool_call>\n<function=f>\n")
+        dec = OutputDecoder(in_reasoning=False, tools=tools, forced_call="<tool_call>\n<function=f>\n",
+                            chat_format=QWEN35_CHAT_FORMAT)
         dec.feed(text)
         dec.finish()
         assert [c.name for c in dec.tool_calls] == ["f"], text

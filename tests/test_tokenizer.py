@@ -4,12 +4,12 @@ import json
 import time
 
 import pytest
+from qwen_format import qwen35_tokenizer_section
 
 from ninfer_core.tokenizer import Tokenizer, TokenizerError
 from ninfer_core.tokenizer.hf import (
     GPT2_PATTERN,
     bytes_to_unicode,
-    qwen35_tokenizer_section,
     tokenizer_section_from_hf_dir,
 )
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from qwen_format import QWEN35_TEMPLATE, byte_tokenizer_section, with_format
 
 from ninfer_core.engine.cache import derive_hints
 from ninfer_core.engine.turn_markers import hints_from_markers, learn_turn_markers, template_turn_markers
 from ninfer_core.server.prepare import prompt_hints
-from ninfer_core.testing import byte_tokenizer_section
 from ninfer_core.tokenizer import Tokenizer
-from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+from ninfer_core.tokenizer.chat_template import ChatTemplate
 
 # Gemma's layout: a BOS, `<start_of_turn>role\n ... <end_of_turn>\n`, the system prompt folded into
 # the first user turn, the assistant called "model".
@@ -30,9 +30,9 @@ PLAIN = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }
 
 @pytest.fixture(scope="module")
 def qwen():
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from qwen_format import qwen35_tokenizer_section, with_format
 
-    return Tokenizer.from_section(qwen35_tokenizer_section())
+    return with_format(Tokenizer.from_section(qwen35_tokenizer_section()))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def gemma_tok():
     section["added_tokens"] = section["added_tokens"] + [
         {"id": next_id + i, "content": c, "special": True} for i, c in
         enumerate(["<bos>", "<start_of_turn>", "<end_of_turn>"])]
-    return Tokenizer.from_section(section)
+    return with_format(Tokenizer.from_section(section))
 
 
 TOOL_LOOP = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},

@@ -23,7 +23,7 @@ MANIFEST_KEY = "ninfer.manifest"
 # CRC32 of the whole header (length prefix excluded) with these 8 hex digits read as "00000000":
 # any flipped header byte is refused on open, not only those that break the JSON.
 HEADER_CRC_KEY = "ninfer.header_crc32"
-# safetensors refuses headers above 100 MB; a Qwen tokenizer section is ~5 MB.
+# safetensors refuses headers above 100 MB; a 250k-token BPE tokenizer section is ~5 MB.
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8
 COMPONENT_ORDER = ("text", "mtp", "dflash", "vision")
@@ -79,11 +79,15 @@ def itemsize(d: DType) -> int:
 
 
 def component_of(name: str) -> str:
-    """The component a Hugging Face tensor name belongs to (`mtp.*`, `model.visual.*`/`visual.*`)."""
+    """The component a Hugging Face tensor name belongs to (`mtp.*`; vision: `model.visual.*`/`visual.*`,
+    `model.vision_tower.*`/`model.embed_vision.*`; audio: `model.audio_tower.*`/`model.embed_audio.*`),
+    by the prefixes Hugging Face checkpoints use for these towers."""
     if name.startswith(("mtp.", "mtp_proposal.")):
         return "mtp"
-    if name.startswith("model.visual.") or name.startswith("visual."):
+    if name.startswith(("model.visual.", "visual.", "model.vision_tower.", "model.embed_vision.")):
         return "vision"
+    if name.startswith(("model.audio_tower.", "model.embed_audio.")):
+        return "audio"
     return "text"
 
 

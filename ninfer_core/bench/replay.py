@@ -306,19 +306,21 @@ def run_replay(a: argparse.Namespace) -> int:
     (the pools must be idle), and the scenario's last prompt is served again from root for the
     cold time to first token."""
     from ninfer_core.artifact import Artifact
-    from ninfer_core.bench.shapes import SHAPES
+    from ninfer_core.bench.shapes import shapes
     from ninfer_core.config import EngineOptions
     from ninfer_core.engine.cache import derive_hints
     from ninfer_core.engine.engine import Engine
     from ninfer_core.plugins import PluginHost, PluginSelection
     from ninfer_core.server.serve import cache_dir
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_format import attach
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     device = "cpu" if a.device.startswith("cuda") and not _cuda() else a.device
     host = PluginHost(PluginSelection.from_sources(a.plugin))
     try:
         model = a.replay_model
+        SHAPES = shapes(host)
         if model in SHAPES:
             reg = host.family_for_architecture(SHAPES[model]["model_type"])
             target = reg.load()
@@ -334,7 +336,14 @@ def run_replay(a: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     tok = Tokenizer.from_section(art.tokenizer_section)
-    template = ChatTemplate(getattr(art, "chat_template", None) or QWEN35_TEMPLATE)
+    if hasattr(family, "chat_format"):  # the family's markup (turn opener of the derived hints)
+        attach(tok, family.chat_format(art))
+    source = getattr(art, "chat_template", None) or getattr(family, "chat_template", None)
+    if not source:
+        print("error: the model has no chat template (neither the artifact nor its family has one)",
+              file=sys.stderr)
+        return 1
+    template = ChatTemplate(source)
     ctx_len = a.replay_context
     eng = Engine(family.load(art, device=device), tok, EngineOptions(
         max_context=ctx_len, kv_capacity=2 * ctx_len, prefill_chunk=a.replay_chunk, max_concurrency=1,

@@ -36,11 +36,10 @@ def _ints(s: str) -> list[int]:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from ninfer_core.bench.shapes import SHAPES
-
-    p.add_argument("--shape", default="qwen3.5-9b",
-                   help=f"model shape: {', '.join(SHAPES)} (random weights made on the device, nothing "
-                        "written), or the path of a .ninfer artifact (its weights)")
+    p.add_argument("--shape", default=None,
+                   help="model shape: a name the installed family plugins register (`ninfer plugins` "
+                        "lists them; default: the one a plugin marks as default), random weights made on "
+                        "the device, nothing written; or the path of a .ninfer artifact (its weights)")
     p.add_argument("--device", default="cuda", help="torch device (cuda, cuda:N; cpu only for smoke runs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--prefill-lens", type=_ints, default=[512, 4096, 16384],
@@ -118,6 +117,8 @@ def weight_facts(runner) -> dict:
     cfg = runner.cfg
     emb = model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k_experts", 0) or 0)
     seen, total, expert_bytes, matmul_params = set(), 0, 0, 0
     for name, p in model.named_parameters():
         key = (p.data_ptr(), tuple(p.shape))
@@ -127,13 +128,15 @@ def weight_facts(runner) -> dict:
         nbytes = p.numel() * p.element_size()
         if name == "embed_tokens.weight" and not tied:
             continue
+        if name.startswith("embed_tokens_per_layer."):  # a per-layer embedding table: a row per token
+            continue
         if ".experts." in name:
             expert_bytes += nbytes
         else:
             total += nbytes
         if name.startswith("layers.") and p.dim() >= 2 and "conv1d" not in name:
             if ".experts." in name:
-                matmul_params += p.numel() * cfg.num_experts_per_tok / max(1, cfg.num_experts)
+                matmul_params += p.numel() * top_k / max(1, experts)
             elif name.endswith("mlp.gate.weight"):
                 matmul_params += p.numel()
             else:
@@ -141,20 +144,23 @@ def weight_facts(runner) -> dict:
     return {
         "dense_bytes": total,
         "expert_bytes": expert_bytes,
-        "experts": cfg.num_experts,
-        "top_k": cfg.num_experts_per_tok,
+        "experts": experts,
+        "top_k": top_k,
         "matmul_flops_per_token": 2 * matmul_params,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
 
-def step_bytes(facts: dict, spec, batch: int, context: int) -> float:
-    """Bytes one decode step of `batch` lanes at `context` tokens must move."""
+def step_bytes(facts: dict, spec, batch: int, context: int, runner=None) -> float:
+    """Bytes one decode step of `batch` lanes at `context` tokens must move. A lane's state slot is
+    read and written whole (recurrent state), unless the runner says what a step touches of it
+    (`decode_state_bytes(context)`: a sliding-window ring reads the window, not the whole ring)."""
     w = facts["dense_bytes"]
     if facts["expert_bytes"]:
         touched = min(facts["experts"], facts["top_k"] * batch) / facts["experts"]
         w += facts["expert_bytes"] * touched
-    per_lane = 2 * spec.state_bytes + context * spec.kv_bytes_per_token
+    state = getattr(runner, "decode_state_bytes", None)
+    per_lane = (state(context) if state is not None else 2 * spec.state_bytes) + context * spec.kv_bytes_per_token
     return w + batch * per_lane
 
 
@@ -354,7 +360,7 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     loopback) and straight into the engine; total generated tokens over wall time for each."""
     import uvicorn
 
-    from ninfer_core.bench.text_tokenizer import covering_section, text_coverage
+    from ninfer_core.bench.text_tokenizer import covering_section, template_controls, text_coverage
     from ninfer_core.config import EngineOptions, ServeOptions
     from ninfer_core.engine.api import GenerationRequest, SamplingParams
     from ninfer_core.engine.engine import Engine
@@ -363,8 +369,12 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     from ninfer_core.server.prepare import default_sampling_presets
     from ninfer_core.server.serve import bind_socket
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_format import attach
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
+    template_source = art.chat_template or getattr(family, "chat_template", None)
+    if not template_source:
+        raise RuntimeError("the artifact has no chat template and its family bundles none")
     tok = Tokenizer.from_section(art.tokenizer_section)
     # Random weights sample ids over the whole vocabulary: with a tokenizer that leaves most of
     # them without text (the small one of the named shapes, a tiny test artifact) the streams would
@@ -372,12 +382,16 @@ def http_vs_engine(runner, family, art, host, args, device) -> dict:
     vocab = runner.info.vocab_size
     coverage = text_coverage(tok, vocab)
     tokenizer_used = "artifact"
-    if coverage < MIN_TEXT_COVERAGE:
-        tok = Tokenizer.from_section(covering_section(vocab))
-        tokenizer_used = f"bench (every id a printable token; the artifact's gives text for {coverage:.1%})"
-    template = ChatTemplate(art.chat_template or QWEN35_TEMPLATE)
-    clients = max(args.http_clients)
+    template = ChatTemplate(template_source)
     messages = [{"role": "user", "content": "Benchmark prompt number {i}: say anything."}]
+    if coverage < MIN_TEXT_COVERAGE:
+        # only the control tokens the bench's own prompts render (with thinking on and off)
+        rendered = template.render(messages) + template.render(messages, enable_thinking=False)
+        tok = Tokenizer.from_section(covering_section(vocab, template_controls(art.tokenizer_section, rendered)))
+        tokenizer_used = f"bench (every id a printable token; the artifact's gives text for {coverage:.1%})"
+    if hasattr(family, "chat_format"):  # the family's markup, as the server's loader attaches it
+        attach(tok, family.chat_format(art))
+    clients = max(args.http_clients)
     prompt_len = len(tok.encode(template.render(messages)))
     max_context = prompt_len + args.http_tokens + 64
     eng_opts = EngineOptions(max_context=max_context, kv_capacity=clients * max_context, max_concurrency=clients,
@@ -463,7 +477,7 @@ def run_bench(a: argparse.Namespace) -> int:
         return run_replay(a)
     import torch
 
-    from ninfer_core.bench.shapes import SHAPES
+    from ninfer_core.bench.shapes import default_shape, shapes
     from ninfer_core.plugins import PluginError, PluginHost, PluginSelection
 
     device = torch.device(a.device)
@@ -480,6 +494,13 @@ def run_bench(a: argparse.Namespace) -> int:
     except PluginError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    SHAPES = shapes(host)
+    if a.shape is None:
+        a.shape = default_shape(host)
+        if a.shape is None:
+            print("error: no installed family plugin registers a bench shape: name an artifact with --shape",
+                  file=sys.stderr)
+            return 1
 
     if a.shape in SHAPES:
         hf_config = SHAPES[a.shape]
@@ -517,7 +538,12 @@ def run_bench(a: argparse.Namespace) -> int:
     runner = family.load(art, device=str(device))
     from ninfer_core.engine.model_api import RunnerOptions
 
-    runner.configure(RunnerOptions(cuda_graph=not a.no_cuda_graph, max_lanes=max(a.decode_batches or [1])))
+    # forwards of at most the engine's default prefill chunk per lane, as `ninfer serve` runs them (a
+    # runner whose per-lane cache depends on it, a sliding-window ring, splits longer prefills)
+    from ninfer_core.config import EngineOptions
+
+    runner.configure(RunnerOptions(cuda_graph=not a.no_cuda_graph, max_lanes=max(a.decode_batches or [1]),
+                                   max_segment_tokens=EngineOptions().prefill_chunk))
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     spec = runner.cache_spec()
     facts = weight_facts(runner)
@@ -549,13 +575,13 @@ def run_bench(a: argparse.Namespace) -> int:
     dec = {}
     for b in a.decode_batches:
         d = ninfer_decode(torch, runner, lanes, b, a.decode_prompt, steps, vocab, a.seed)
-        floor = b * bw / step_bytes(facts, spec, b, d["context"])
+        floor = b * bw / step_bytes(facts, spec, b, d["context"], runner)
         dec[b] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
         print(f"decode b={b}: {d['total_tok_s']:,.1f} tok/s total", flush=True)
     res["decode"] = dec
     if a.long_context:
         d = ninfer_decode(torch, runner, long_lanes, 1, a.long_context, steps, vocab, a.seed, a.long_chunk)
-        floor = bw / step_bytes(facts, spec, 1, d["context"])
+        floor = bw / step_bytes(facts, spec, 1, d["context"], runner)
         res["decode_long"] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
         print(f"decode after {a.long_context}: {d['total_tok_s']:,.1f} tok/s", flush=True)
 

@@ -1,54 +1,39 @@
-"""Named model shapes for `ninfer bench`: Hugging Face configs of the public Qwen3.5 models
-(weights are drawn at random at these shapes; nothing is downloaded)."""
+"""Named model shapes for `ninfer bench`: the Hugging Face configs family plugins register
+(`ninfer_register_bench_shapes`); weights are drawn at random at these shapes, nothing is downloaded.
+
+`SHAPES` (module attribute, read on access) is {name: config} over the installed plugins;
+`default_shape()` is the one a plugin marks `default=True` (else the first registered).
+"""
 
 from __future__ import annotations
 
-_ROPE = {
-    "rope_type": "default",
-    "rope_theta": 10_000_000.0,
-    "partial_rotary_factor": 0.25,
-    "mrope_section": [11, 11, 10],
-    "mrope_interleaved": True,
-}
+from typing import Any
 
 
-def _dense(hidden, layers, heads, kv_heads, inter, lin_k, lin_v):
-    return {
-        "model_type": "qwen3_5",
-        "vocab_size": 248320,
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        "full_attention_interval": 4,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": 256,
-        "linear_num_key_heads": lin_k,
-        "linear_num_value_heads": lin_v,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-        "max_position_embeddings": 262144,
-        "rope_parameters": dict(_ROPE),
-        "tie_word_embeddings": False,
-        "eos_token_id": 248046,
-    }
+def _registry(host: Any = None) -> dict:
+    if host is None:
+        from ninfer_core.plugins import PluginHost, PluginSelection
+
+        host = PluginHost(PluginSelection.from_sources([]))
+    return host.registry("bench_shape")
 
 
-def _moe():
-    cfg = _dense(2048, 40, 16, 2, 0, 16, 32)
-    cfg.pop("intermediate_size")
-    cfg.update(model_type="qwen3_5_moe", num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-               shared_expert_intermediate_size=512)
-    return cfg
+def shapes(host: Any = None) -> dict[str, dict]:
+    """{name: a copy of the HF config} of every registered shape."""
+    out = {}
+    for name, reg in _registry(host).items():
+        cfg = reg.load()
+        out[name] = dict(cfg)
+    return out
 
 
-SHAPES = {
-    "qwen3.5-9b": _dense(4096, 32, 16, 4, 12288, 16, 32),
-    "qwen3.5-27b": _dense(5120, 64, 24, 4, 17408, 16, 48),
-    "qwen3.5-35b-a3b": _moe(),
-}
+def default_shape(host: Any = None) -> str | None:
+    regs = _registry(host)
+    marked = [n for n, r in regs.items() if r.extra.get("default")]
+    return (marked or list(regs) or [None])[0]
+
+
+def __getattr__(name: str):
+    if name == "SHAPES":
+        return shapes()
+    raise AttributeError(name)

@@ -278,7 +278,7 @@ def draft_costs(torch, backend, runner, a, vocab) -> dict:
 
 def run_spec_bench(torch, runner, family, art, a, device, res: dict) -> None:
     """The speculative part of `ninfer bench` (fills res["spec"])."""
-    from ninfer_core.bench.text_tokenizer import covering_section
+    from ninfer_core.bench.text_tokenizer import covering_section, template_controls
     from ninfer_core.tokenizer import Tokenizer
 
     vocab = min(runner.info.vocab_size, 240000)
@@ -299,7 +299,8 @@ def run_spec_bench(torch, runner, family, art, a, device, res: dict) -> None:
     else:  # random weights: random prompts, a tokenizer in which every id has text
         from ninfer_core.bench.run import _prompt
 
-        tok = Tokenizer.from_section(covering_section(runner.info.vocab_size))
+        controls = template_controls(section or {}, "")  # random prompts render no markup: end tokens only
+        tok = Tokenizer.from_section(covering_section(runner.info.vocab_size, controls))
         prompts = [_prompt(torch, a.decode_prompt, vocab, a.seed + 700 + i) for i in range(max(a.spec_batches))]
         spec["prompts"], ignore_eos = "random", True
     spec["engine"] = engine_runs(torch, runner, tok, a, device, prompts, ignore_eos)

@@ -1,13 +1,14 @@
 """A tokenizer for the HTTP row of `ninfer bench` when the model's weights are random.
 
-A random-weight model samples ids uniformly over its whole vocabulary (248k for the Qwen3.5
-shapes), but the tokenizer it is built with has a few hundred tokens, so almost every id decodes
-to nothing and the engine, which emits a delta only when there is text, sends almost no per-token
-events: the HTTP figure would measure only per-request cost. `covering_section(V)` is a byte-level
-BPE section in which every id below V is one distinct printable token (single ASCII characters,
-then 2-, 3-, 4-character alphanumeric strings), except the few control tokens the chat template
-needs. Sampling, the forward and the detokeniser run exactly as with a real tokenizer; only the
-text that comes out differs.
+A random-weight model samples ids uniformly over its whole vocabulary (about 250k for the
+registered shapes), but the tokenizer it is built with has a few hundred tokens, so almost every
+id decodes to nothing and the engine, which emits a delta only when there is text, sends almost no
+per-token events: the HTTP figure would measure only per-request cost. `covering_section(V,
+controls)` is a byte-level BPE section in which every id below V is one distinct printable token
+(single ASCII characters, then 2-, 3-, 4-character alphanumeric strings), except the few control
+tokens the chat template needs (`template_controls`: the artifact's added tokens its template
+writes, and its end tokens). Sampling, the forward and the detokeniser run exactly as with a real
+tokenizer; only the text that comes out differs.
 """
 
 from __future__ import annotations
@@ -17,20 +18,33 @@ import itertools
 import string
 
 _ALNUM = string.ascii_letters + string.digits
-# Only the control tokens the Qwen chat template renders; each one is an id the model may sample
-# that decodes to nothing (special), so the list is kept short.
-_CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# Only the control tokens the chat template renders are kept; each one is an id the model may
+# sample that decodes to nothing (special), so the list is kept short.
+MAX_CONTROLS = 16
 _PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def covering_section(vocab_size: int) -> dict:
+def template_controls(section: dict, rendered: str) -> dict:
+    """{"tokens": [...], "eos": [...], "pad": ...} of an artifact's tokenizer `section`: the
+    end-of-sequence tokens and the added tokens the `rendered` prompt text spells (the markup the
+    chat template writes for the bench's prompts), at most MAX_CONTROLS, end tokens first."""
+    eos = [t for t in section.get("eos_tokens") or [] if isinstance(t, str)]
+    added = [t.get("content") for t in section.get("added_tokens") or []]
+    spelled = [c for c in added if isinstance(c, str) and c and c in rendered and c not in eos]
+    tokens = list(dict.fromkeys(eos + spelled))[:MAX_CONTROLS]
+    return {"tokens": tokens, "eos": [t for t in eos if t in tokens],
+            "pad": section.get("pad_token") if section.get("pad_token") in tokens else None}
+
+
+def covering_section(vocab_size: int, controls: dict) -> dict:
     """A tokenizer section with exactly `vocab_size` ids, each a distinct printable token or one
-    of the five control tokens (ids 0..4)."""
+    of the control tokens `controls` names (ids 0..n-1; `template_controls`)."""
+    control = list(controls["tokens"])
     singles = [chr(c) for c in range(0x20, 0x7F)] + ["\n", "\t"]
-    need = vocab_size - len(_CONTROL)
+    need = vocab_size - len(control)
     if need < len(singles):
         raise ValueError(f"vocabulary {vocab_size} is too small for a covering tokenizer")
-    lines, rank = [], len(_CONTROL)
+    lines, rank = [], len(control)
 
     def add(text: str):
         nonlocal rank
@@ -46,9 +60,10 @@ def covering_section(vocab_size: int) -> dict:
             add("".join(combo))
         if rank >= vocab_size:
             break
-    added = [{"id": i, "content": c, "special": True} for i, c in enumerate(_CONTROL)]
+    added = [{"id": i, "content": c, "special": True} for i, c in enumerate(control)]
     return {"type": "bpe", "ranks": "\n".join(lines) + "\n", "pattern": _PATTERN, "added_tokens": added,
-            "eos_tokens": ["<|im_end|>", "<|endoftext|>"], "pad_token": "<|endoftext|>", "bos_token": None}
+            "eos_tokens": list(controls.get("eos") or []), "pad_token": controls.get("pad"),
+            "bos_token": None}
 
 
 def text_coverage(tok, vocab_size: int) -> float:

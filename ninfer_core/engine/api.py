@@ -71,7 +71,7 @@ class GenerationRequest:
     # every sampled token, its logprob and the k (<= 20) most likely alternatives (delta `logprobs`).
     logprobs: int | None = None
     # Thinking (spec "thinking budgets", "Post-thinking sampling"): `in_reasoning` says the prompt
-    # left a <think> block open; `think_end_ids` are the close marker's ids. With `thinking_budget`
+    # left a reasoning block open; `think_end_ids` are the close marker's ids. With `thinking_budget`
     # the engine commits `budget_close_ids` (guidance + close) unsampled once that many reasoning
     # tokens are generated (C/B/R rules); with `post_thinking` it switches the sampler after the close.
     in_reasoning: bool = False

@@ -129,16 +129,17 @@ class CheckpointHints:
     replay: int | None = None
 
 
-def hints_from_chat_tokens(prompt: list[int], im_start: int | None, system_first: bool | None = None
+def hints_from_chat_tokens(prompt: list[int], opener: int | None, system_first: bool | None = None
                            ) -> CheckpointHints:
-    """Derive hints from a ChatML-rendered prompt: every `<|im_start|>` starts a message.
+    """Derive hints from a rendered chat prompt: every `opener` (the format's turn opener) starts a
+    message.
 
     The last one opens the assistant turn (its position is the turn closure); the second one ends
     the first message, which is the stable prefix when that message is the system prompt.
     """
-    if im_start is None:
+    if opener is None:
         return CheckpointHints()
-    starts = [i for i, t in enumerate(prompt) if t == im_start and i > 0]
+    starts = [i for i, t in enumerate(prompt) if t == opener and i > 0]
     hints = CheckpointHints(boundaries=starts[:-1])
     if starts:
         hints.turn_closure = starts[-1]

@@ -95,7 +95,8 @@ class Engine:
         if ngram.enabled:
             widths.update(range(2, 2 + max(ngram.draft_tokens, ngram.lookup_drafts if ngram.lookup else 0)))
         runner.configure(RunnerOptions(cuda_graph=options.cuda_graph, verify_widths=tuple(sorted(widths)),
-                                       max_lanes=options.max_concurrency))
+                                       max_lanes=options.max_concurrency,
+                                       max_segment_tokens=max(options.prefill_chunk, max(widths, default=1))))
         self.cache_spec = runner.cache_spec()
         pool = PagePool(self.pool_pages, self.page_size)
         # Context cache (spec "Execution behavior"): None with --no-prefix-reuse or a runner that

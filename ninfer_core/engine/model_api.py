@@ -19,8 +19,8 @@ State slots: each recurrent layer keeps its conv and recurrent state per slot in
 a draft head enabled also keeps there the final hidden state of the lane's last position.
 
 Every forward has a torch reference path that runs on the CPU (`ninfer_core.testing.ToyRunner`
-implements this contract without torch kernels; `ninfer_qwen35.runner.Qwen35Runner` is the
-reference family).
+implements this contract without torch kernels; each family plugin's CPU runner is its
+reference).
 """
 
 from __future__ import annotations
@@ -163,6 +163,9 @@ class RunnerOptions:
     cuda_graph: bool = True
     verify_widths: tuple[int, ...] = ()  # k+1 widths a speculative backend verifies (graphs, warm-up)
     max_lanes: int = 1
+    # the longest run of new tokens one lane brings to a forward (the engine's prefill chunk; 0:
+    # not stated). A runner whose per-lane cache depends on it (a sliding-window ring) sizes by it.
+    max_segment_tokens: int = 0
 
 
 @dataclass
@@ -186,7 +189,7 @@ class DraftStep:
 
 
 class DraftHead(ABC):
-    """A family's own draft layers (Qwen3.5's MTP block) as a speculative backend reaches them.
+    """A family's own draft layers (a multi-token-prediction block) as a speculative backend reaches them.
 
     Enabling a head (`ModelRunner.enable_draft_head`, before `allocate_cache`) adds its KV group to
     the cache spec and makes every target forward write the head's KV for the positions it runs

@@ -1,6 +1,6 @@
 """Per-lane thinking control: the thinking budget's early close and the post-thinking switch.
 
-Spec ("thinking budgets", "Post-thinking sampling"). A request whose prompt leaves a <think> block
+Spec ("thinking budgets", "Post-thinking sampling"). A request whose prompt leaves a reasoning block
 open counts the reasoning tokens it generates. At the effective budget, unless the reasoning
 closed naturally or the request ended, the engine commits `budget_close_ids` (guidance and close
 marker) one per decode round without sampling; the inserted tokens are ordinary output tokens

@@ -1,18 +1,17 @@
 """Message boundaries of a chat template, learned once from the template itself.
 
 The context cache checkpoints a chat prompt at its turn closure (the frontier before the assistant
-opener of the open turn) and at message starts. For ChatML the opener is `<|im_start|>`; other
-templates open a message with another control token (Gemma's `<start_of_turn>`, Llama 3's
-`<|start_header_id|>`) and name the roles differently (`model` for the assistant). Instead of a
-table of known templates, `learn_turn_markers` renders probe conversations whose message contents
-are known words and reads off:
+opener of the open turn) and at message starts. Templates open a message with different control
+tokens and name the roles differently (`model` for the assistant in some). Instead of a table of
+known templates, `learn_turn_markers` renders probe conversations whose message contents are known
+words and reads off:
 
 * the *start token*: the control token that opens every message and the generation prompt, i.e.
   the one whose occurrences split the probe so that the user, assistant and user contents fall in
   successive pieces and the last piece (the generation prompt) holds no content; the earliest such
-  token wins (Llama 3's `<|start_header_id|>` over `<|end_header_id|>`);
+  token wins (a header-start token over its header-end);
 * the *role heads*: the text between a start token and each role's content (`user\\n`,
-  `assistant\\n`, `model\\n`, and a tool result's head such as Qwen's `user\\n<tool_response>`).
+  `assistant\\n`, `model\\n`, and a tool result's head when it differs from a user query's).
 
 `hints_from_markers` then finds the same frontiers in a real prompt by token id and by decoding a
 short window after each start token. A template the probe cannot read (no such control token, a
@@ -40,7 +39,7 @@ class TurnMarkers:
     assistant: str  # the assistant role head (first line), e.g. "assistant" or "model"
     user: str  # the user role head (first line)
     system: str | None  # the system role head, None when the template folds the system into a user turn
-    tool: str | None  # a tool result's head when it differs from a user query's (Qwen: "user\n<tool_response>")
+    tool: str | None  # a tool result's head when it differs from a user query's ("user\n" + a result opener)
 
     def role(self, head: str) -> str | None:
         """The role a decoded window after a start token begins with (the longest head wins)."""

@@ -29,7 +29,13 @@ from ninfer_core.protocols.anthropic_history import lower_conversation, omitted_
 from ninfer_core.protocols.anthropic_request import MessagesPlan, parse_request
 from ninfer_core.protocols.responses_items import MAX_BREAKPOINTS, breakpoint_markers
 from ninfer_core.server.context import Ingress, ServerContext
-from ninfer_core.server.errors import anthropic_error_body, anthropic_status, parse_json_body, parse_off_loop, internal_error
+from ninfer_core.server.errors import (
+    anthropic_error_body,
+    anthropic_status,
+    internal_error,
+    parse_json_body,
+    parse_off_loop,
+)
 from ninfer_core.server.output import OutputDecoder, OutputEvent
 from ninfer_core.server.prepare import (
     forced_call_ids,
@@ -48,6 +54,7 @@ from ninfer_core.server.sse import (
     with_keepalive,
 )
 from ninfer_core.structured.request import compile_request, make_constraint
+from ninfer_core.tokenizer.chat_format import chat_format_of, turn_opener_id
 
 PING = 'event: ping\ndata: {"type":"ping"}\n\n'
 log = logging.getLogger("ninfer.server")
@@ -67,6 +74,7 @@ class Prompt:
     # prompt's token count for count_tokens' original_input_tokens.
     context_management: dict | None = None
     original_tokens: int | None = None
+    chat_format: Any = None  # the model's ChatFormat (reasoning and tool-call markup)
 
 
 def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
@@ -99,7 +107,7 @@ def _render(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
         ids += tok.encode(plan.prefill, allow_special=False)  # caller text: never control tokens
     if plan.forced_tool:
         ids += forced_call_ids(tok, plan.forced_tool)
-    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids))
+    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids), chat_format=chat_format_of(tok))
 
 
 def _compile(ctx: ServerContext, plan: MessagesPlan):
@@ -116,10 +124,10 @@ def cache_hints(ctx: ServerContext, plan: MessagesPlan, ids: list[int]) -> Any:
     """cache_control breakpoints as exact prompt frontiers: the end of each hinted message (and of
     the tools block); the latest four are kept, beside the turn closure the request's
     preserve_thinking selects."""
-    im_start = ctx.tokenizer.token_to_id("<|im_start|>")
-    markers = breakpoint_markers(ids, im_start, plan.messages, bool(plan.tools))
-    if plan.tools_cached and plan.tools and im_start is not None:
-        starts = [i for i, t in enumerate(ids) if t == im_start]
+    opener = turn_opener_id(ctx.tokenizer)
+    markers = breakpoint_markers(ids, opener, plan.messages, bool(plan.tools))
+    if plan.tools_cached and plan.tools and opener is not None:
+        starts = [i for i, t in enumerate(ids) if t == opener]
         if len(starts) >= 2:  # the tools block is the first turn
             markers = sorted({starts[1], *markers})
     hints = prompt_hints(ctx, ids, plan.template_kwargs)
@@ -352,9 +360,14 @@ class AnthropicMessages:
 
     @staticmethod
     def _decoder(plan: MessagesPlan, prompt: Prompt) -> OutputDecoder:
+        fmt = prompt.chat_format
+        opener = None
+        if plan.forced_tool:
+            opener = (fmt.tools.forced_opener(plan.forced_tool) if fmt is not None and fmt.tools is not None
+                      else forced_call_opener(plan.forced_tool))
         return OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
                              parallel_tool_calls=plan.parallel_tool_calls, id_prefix="toolu_",
-                             forced_call=forced_call_opener(plan.forced_tool) if plan.forced_tool else None)
+                             forced_call=opener, chat_format=fmt)
 
     async def _aggregate(self, handle, plan: MessagesPlan, prompt: Prompt, mid: str) -> dict:
         decoder = self._decoder(plan, prompt)

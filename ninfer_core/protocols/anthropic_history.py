@@ -20,7 +20,7 @@ from ninfer_core.engine.api import EngineError
 from ninfer_core.protocols.responses_items import BREAKPOINT_KEY
 from ninfer_core.server.errors import bad_request
 
-# On a lowered message: a cache_control hint ends in it (the shared ChatML marker placement reads it).
+# On a lowered message: a cache_control hint ends in it (the shared breakpoint placement reads it).
 CACHE_KEY = BREAKPOINT_KEY
 SIGNATURE_PREFIX = "ninfer-reasoning.v1:"
 VISIBLE_SIGNATURE_PREFIX = "ninfer-visible.v1:"

@@ -28,6 +28,7 @@ from ninfer_core.protocols.raw_prompt import generation_settings
 from ninfer_core.protocols.tokenize_routes import chat_input_tokens
 from ninfer_core.server.context import Ingress, ServerContext
 from ninfer_core.server.errors import engine_error_body, internal_error, parse_off_loop
+from ninfer_core.tokenizer.chat_format import chat_format_of
 from ninfer_core.server.output import LogprobChannel, OutputDecoder, OutputEvent, ToolCall, logprob_json
 from ninfer_core.server.progress import StreamTimings
 from ninfer_core.server.prepare import (
@@ -119,7 +120,7 @@ class ChatCompletions:
                 render_prompt_ids, ctx, plan.messages, plan.tools, plan.thinking, plan.template_kwargs)
             opener = None
             if plan.forced_tool is not None:
-                opener = forced_call_opener(plan.forced_tool)
+                opener = forced_call_opener(plan.forced_tool, ctx.tokenizer)
                 prompt = PreparedPrompt(ids=prompt.ids + forced_call_ids(ctx.tokenizer, plan.forced_tool),
                                         opens_reasoning=False)
             sampling = resolve_sampling(ctx, plan.thinking, plan.sampling_request, plan.seed)
@@ -366,7 +367,8 @@ class _Output:
     def __init__(self, ctx: ServerContext, plan: ChatPlan, prompt: PreparedPrompt, opener: str | None):
         self.ctx, self.plan, self.prompt = ctx, plan, prompt
         self.decoder = OutputDecoder(in_reasoning=prompt.opens_reasoning, tools=plan.tools,
-                                     parallel_tool_calls=plan.parallel_tool_calls, forced_call=opener)
+                                     parallel_tool_calls=plan.parallel_tool_calls, forced_call=opener,
+                                     chat_format=chat_format_of(ctx.tokenizer))
         self.counter = ReasoningTokenCounter(ctx.tokenizer, prompt.opens_reasoning)
         self.channel = LogprobChannel(ctx.tokenizer, prompt.opens_reasoning) if plan.logprobs is not None else None
         self.verbose: VerboseRecord | None = None  # `verbose: true`

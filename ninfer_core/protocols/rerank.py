@@ -1,8 +1,10 @@
 """Built-in protocol plugin: rerank, POST /v1/rerank (also /rerank, /v1/reranking, /reranking).
 
-The served chat model judges each document in Qwen3-Reranker's formulation: a system turn asks
-whether the document meets the requirements of the instruction and the query, answered only "yes"
-or "no"; the user turn holds the three; the assistant turn opens with thinking closed. The engine
+The served chat model judges each document in the reranker formulation of instruction-tuned chat
+models: a system turn asks whether the document meets the requirements of the instruction and the
+query, answered only "yes" or "no"; the user turn holds the three; the assistant turn opens with
+reasoning closed. The turns are written in the model's own markup, `ChatFormat.judge` of its
+family (a format without one cannot rerank: 500 rerank_not_supported). The engine
 scores the first answer position (GenerationRequest.score_token_ids, nothing generated) and the
 document's relevance_score is P(yes) / (P(yes) + P(no)), "Yes" and "No" counted with them.
 
@@ -32,6 +34,7 @@ from ninfer_core.protocols.wire_schemas import described
 from ninfer_core.server.context import ServerContext
 from ninfer_core.server.errors import bad_request, parse_json_body
 from ninfer_core.server.sse import ClientDisconnected, unless_disconnected
+from ninfer_core.tokenizer.chat_format import chat_format_of
 
 MAX_DOCUMENTS = 1000
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -117,7 +120,7 @@ def validate_body(raw: bytes, ctx: ServerContext) -> RerankPlan:
 
 class Judge:
     """Builds judging prompts as token ids: the markup as control tokens, the caller's text as text,
-    so a query or document quoting "<|im_end|>" cannot close a turn."""
+    so a query or document quoting a turn's end marker cannot close a turn."""
 
     def __init__(self, tokenizer: Any):
         self.tok = tokenizer
@@ -126,8 +129,12 @@ class Judge:
         if not self.yes_ids or not self.no_ids:
             raise EngineError(500, "rerank_not_supported", "The model's tokenizer has no single 'yes'/'no' "
                               "token to judge relevance with.", type_="server_error")
-        self._head = self._markup(f"<|im_start|>system\n{JUDGE_SYSTEM}<|im_end|>\n<|im_start|>user\n")
-        self._tail = self._markup("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        judge = chat_format_of(tokenizer).judge
+        if judge is None:
+            raise EngineError(500, "rerank_not_supported", "The model's chat format states no judging "
+                              "prompt to rerank with.", type_="server_error")
+        self._head = self._markup(judge.head.format(system=JUDGE_SYSTEM))
+        self._tail = self._markup(judge.tail)
 
     def _markup(self, text: str) -> list[int]:
         return self.tok.encode(text, allow_special=True)

@@ -56,6 +56,7 @@ from ninfer_core.server.sse import (
 )
 from ninfer_core.structured.formats import with_instruction
 from ninfer_core.structured.request import compile_request, make_constraint
+from ninfer_core.tokenizer.chat_format import chat_format_of, turn_opener_id
 
 log = logging.getLogger("ninfer.server")
 SESSION_KEY_MAX = 64
@@ -136,12 +137,12 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
     prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
     if checkpoints:
         prep.hints = prompt_hints(ctx, prep.ids, kwargs)
-        prep.hints.markers = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), messages,
+        prep.hints.markers = breakpoint_markers(prep.ids, turn_opener_id(ctx.tokenizer), messages,
                                                 bool(plan.tools.template_tools))
         if prep.history:
             prep.hints.replay = replay_frontier(ctx, prep, plan, messages)
     if plan.tools.forced is not None:
-        prep.forced_opener = forced_call_opener(plan.tools.forced)
+        prep.forced_opener = forced_call_opener(plan.tools.forced, ctx.tokenizer)
         prep.ids += forced_call_ids(ctx.tokenizer, plan.tools.forced)
         prep.opens_reasoning = False
     return prep
@@ -170,7 +171,7 @@ def replay_frontier(ctx: ServerContext, prep: Prepared, plan: CreatePlan, messag
         return None
     flagged = [{key: v for key, v in m.items() if key != BREAKPOINT_KEY} for m in messages]
     flagged[k - 1][BREAKPOINT_KEY] = True  # "a marker ends the last replayed message"
-    marks = breakpoint_markers(prep.ids, ctx.tokenizer.token_to_id("<|im_start|>"), flagged,
+    marks = breakpoint_markers(prep.ids, turn_opener_id(ctx.tokenizer), flagged,
                                bool(plan.tools.template_tools))
     return marks[0] if marks else None
 
@@ -355,7 +356,8 @@ class Responses:
         channel = LogprobChannel(ctx.tokenizer, prep.opens_reasoning) if plan.logprobs else None
         decoder = OutputDecoder(in_reasoning=prep.opens_reasoning, tools=ts.template_tools or None,
                                 parallel_tool_calls=ts.parallel_tool_calls, id_prefix="call_",
-                                forced_call=prep.forced_opener, undeclared_as_text=True)
+                                forced_call=prep.forced_opener, undeclared_as_text=True,
+                                chat_format=chat_format_of(ctx.tokenizer))
         counter = ReasoningTokenCounter(ctx.tokenizer, prep.opens_reasoning)
         run = _Run(ctx, store, plan, prep, builder, decoder, counter, handle, channel)
         if plan.stream:

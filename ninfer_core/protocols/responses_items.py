@@ -320,17 +320,19 @@ def _has_breakpoint(parts: list[dict] | str) -> bool:
     return not isinstance(parts, str) and any("prompt_cache_breakpoint" in p for p in parts)
 
 
-def breakpoint_markers(ids: list[int], im_start: int | None, messages: list[dict], has_tools: bool) -> list[int]:
+def breakpoint_markers(ids: list[int], opener: int | None, messages: list[dict],
+                       has_tools: bool) -> list[int]:
     """Token positions where messages carrying a prompt_cache_breakpoint end (the next message start).
 
-    Follows how the ChatML template lays messages out: a tools block first (merging a leading
-    system/developer message), consecutive tool results in one user turn. When the rendered prompt
-    does not have the message starts that layout predicts (another template), no marker is given.
-    The last four breakpoints of the conversation are kept.
+    `opener` is the control token every message starts with (the chat format's `turn_opener`).
+    Follows the common layout: a tools block first (merging a leading system/developer message),
+    consecutive tool results in one user turn. When the rendered prompt does not have the message
+    starts that layout predicts (another template), no marker is given. The last four breakpoints
+    of the conversation are kept.
     """
-    if im_start is None or not any(m.get(BREAKPOINT_KEY) for m in messages):
+    if opener is None or not any(m.get(BREAKPOINT_KEY) for m in messages):
         return []
-    starts = [i for i, t in enumerate(ids) if t == im_start]
+    starts = [i for i, t in enumerate(ids) if t == opener]
     block = 1 if has_tools else 0
     where: list[int] = []
     for k, m in enumerate(messages):

@@ -24,7 +24,7 @@ from ninfer_core.server.prepare import forced_call_ids, render_prompt_ids
 
 class TokenizeRequest(WireModel):
     content: described(wire_schemas.TEXT) = None
-    add_special: bool | None = None  # accepted: Qwen checkpoints add no BOS
+    add_special: bool | None = None  # accepted: the artifact's tokenizer decides whether a BOS is added
     parse_special: bool | None = None  # default true: special-token text encodes as that token
     with_pieces: bool | None = None
 

@@ -77,6 +77,10 @@ class Loader:
             target = self.family_reg.load()
             family = target() if isinstance(target, type) else target
             runner = family.load(self.artifact, device=device, options=opts.plugin_options)
+            if hasattr(family, "chat_format"):  # the family's reasoning and tool-call markup
+                from ninfer_core.tokenizer.chat_format import attach
+
+                attach(tokenizer, family.chat_format(self.artifact))
             native = int(getattr(runner.info, "max_position", 0) or 0)
             if native and opts.engine.max_context > native:  # llama.cpp warns alike (vLLM refuses)
                 log.warning("--max-context %d is above the model's native window of %d tokens: positions past it "
@@ -112,7 +116,11 @@ class Loader:
 
                 ctx.structured = StructuredOutput(tokenizer, int(info.vocab_size))
                 ctx.structured.warm()
-            ctx.sampling_presets = default_sampling_presets(self.artifact.architecture, family)
+            from ninfer_core.tokenizer.chat_format import chat_format_of
+
+            ctx.sampling_presets = default_sampling_presets(
+                self.artifact.architecture, family, generation=getattr(self.artifact, "generation", None),
+                chat_format=chat_format_of(tokenizer))
             if self.template is not None and engine.cache is not None:
                 from ninfer_core.engine.turn_markers import template_turn_markers
 

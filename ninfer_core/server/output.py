@@ -15,9 +15,11 @@ dec.reasoning, dec.content, dec.tool_calls   # aggregates (equal to the concaten
 dec.parse                                      # ParseResult diagnostics after finish() (no text in logs!)
 ```
 
-- Reasoning/content split: `ReasoningSplitter` (a `</think>` quoted inside reasoning stays
-  reasoning; the format newlines around the close are dropped).
-- Without `tools` (None or empty: no tools, or tool_choice none) content passes through as is.
+- Reasoning/content split: `ReasoningSplitter` with the markers of the model's `ChatFormat` (a
+  close marker quoted inside reasoning stays reasoning; the format newlines around the close are
+  dropped). A format without reasoning markers has no reasoning channel.
+- Without `tools` (None or empty: no tools, or tool_choice none), or with a format that states no
+  tool-call syntax, content passes through as is.
 - With `tools`, content streams immediately except (a) a suffix that may still become a tool-call
   marker, (b) trailing whitespace (dropped if a call follows it), and (c) everything from the first
   marker whose region opens a function: that region is held to the end, because only the whole
@@ -37,22 +39,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from ninfer_core.tokenizer.chat_format import ChatFormat, chat_format_of, default_format, token_id
 from ninfer_core.tokenizer.reasoning import ReasoningSplitter
-from ninfer_core.tokenizer.toolcalls import (
-    MARKERS,
-    MAX_MARKERS,
-    ParseResult,
-    find_markers,
-    marker_prefix_len,
-    opens_function,
-    parse_tool_calls,
-    schema_map,
-)
+from ninfer_core.tokenizer.toolcalls import MAX_MARKERS, ParseResult, schema_map
 
 _WS = " \t\r\n"
-_LONGEST_MARKER = max(len(m) for m in MARKERS)
-_FORCED_CLOSERS = ("", "\n</function>\n</tool_call>", "\n</parameter>\n</function>\n</tool_call>",
-                   "\n</tool_call>")
 
 
 @dataclass
@@ -78,9 +69,14 @@ class OutputDecoder:
 
     def __init__(self, *, in_reasoning: bool, tools: list[dict] | None = None,
                  parallel_tool_calls: bool = True, id_prefix: str = "call_",
-                 forced_call: str | None = None, undeclared_as_text: bool = False):
-        self._splitter = ReasoningSplitter(in_reasoning)
-        self._schemas = schema_map(tools) if tools else None
+                 forced_call: str | None = None, undeclared_as_text: bool = False,
+                 chat_format: ChatFormat | None = None):
+        fmt = chat_format or default_format()
+        self._syntax = fmt.tools
+        self._longest = max((len(m) for m in fmt.tools.markers), default=0) if fmt.tools is not None else 0
+        self._splitter = ReasoningSplitter(in_reasoning and fmt.has_reasoning, fmt.reasoning_open,
+                                           fmt.reasoning_close, fmt.close_needs_space)
+        self._schemas = schema_map(tools) if (tools and fmt.tools is not None) else None
         self._parallel = parallel_tool_calls
         self._undeclared_as_text = undeclared_as_text
         self._id_prefix = id_prefix
@@ -137,16 +133,16 @@ class OutputDecoder:
     # -- internals ------------------------------------------------------------------------------
     def _final_parse(self) -> ParseResult:
         text = self._text
+        parse = self._syntax.parse
         if self._forced is None:
-            return parse_tool_calls(text, self._schemas, undeclared_as_text=self._undeclared_as_text)
+            return parse(text, self._schemas, undeclared_as_text=self._undeclared_as_text)
         stripped = text.rstrip(_WS)
-        for closers in _FORCED_CLOSERS:
-            res = parse_tool_calls(stripped + closers, self._schemas, max_markers=1,
-                                   undeclared_as_text=self._undeclared_as_text)
+        for closers in self._syntax.forced_closers:
+            res = parse(stripped + closers, self._schemas, max_markers=1, undeclared_as_text=self._undeclared_as_text)
             if res.calls and not res.recovered:
                 self.forced_call_closed = bool(closers)
                 return res
-        return parse_tool_calls(text, self._schemas, max_markers=1, undeclared_as_text=self._undeclared_as_text)
+        return parse(text, self._schemas, max_markers=1, undeclared_as_text=self._undeclared_as_text)
 
     def _emit(self, out: list[OutputEvent], kind: str, text: str) -> None:
         if not text:
@@ -194,16 +190,16 @@ class OutputDecoder:
             if self._markers >= MAX_MARKERS:  # no further marker is tried: the rest is text
                 self._publish_to(out, len(text))
                 return
-            found = find_markers(text, self._scan, 1)
+            found = self._syntax.find_markers(text, self._scan, 1)
             if not found:
                 # no complete marker starts before here: later ones start near the end
-                self._scan = max(self._scan, len(text) - _LONGEST_MARKER + 1)
+                self._scan = max(self._scan, len(text) - self._longest + 1)
                 if final:
                     return
-                self._publish_to(out, self._content_end(len(text) - marker_prefix_len(text)))
+                self._publish_to(out, self._content_end(len(text) - self._syntax.marker_prefix_len(text)))
                 return
             pos = found[0]
-            state = opens_function(text, pos)
+            state = self._syntax.opens_function(text, pos)
             if state is True:
                 self._region = pos
                 self._publish_to(out, self._content_end(pos))
@@ -227,8 +223,9 @@ class LogprobChannel:
 
     def __init__(self, tokenizer, in_reasoning: bool):
         self._tok = tokenizer
-        self._open = tokenizer.token_to_id("<think>")
-        self._close = tokenizer.token_to_id("</think>")
+        fmt = chat_format_of(tokenizer)
+        self._open = token_id(tokenizer, fmt.reasoning_open_token)
+        self._close = token_id(tokenizer, fmt.reasoning_close)
         self._state = "reasoning" if (in_reasoning and self._close is not None) else "start"
 
     def take(self, token_ids: list[int], records: list | None) -> list:

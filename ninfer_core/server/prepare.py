@@ -11,27 +11,39 @@ from typing import Any
 
 from ninfer_core.engine.api import EngineError, SamplingParams
 from ninfer_core.server.context import ServerContext
+from ninfer_core.tokenizer.chat_format import chat_format_of, token_id
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 TOP_K_CAP = 20
 
-# Spec "Server options": the registered presets (temperature/top-p/top-k/min-p/presence/frequency).
-QWEN_THINKING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
-                 "presence_penalty": 0.0, "frequency_penalty": 0.0}
-QWEN_NON_THINKING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
-                     "presence_penalty": 1.5, "frequency_penalty": 0.0}
+# The sampler with nothing stated (no family preset, no generation config): the model's own
+# distribution over the widest candidate set (top_k 0 is the sampler's 20).
+NEUTRAL_PRESET = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# generation_config.json keys a preset takes (Hugging Face names; repetition_penalty has no equivalent)
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 
 
-def default_sampling_presets(architecture: str, family: Any = None) -> dict[str, dict]:
-    """{"thinking": {...}, "non_thinking": {...}} for the loaded model.
+def default_sampling_presets(architecture: str, family: Any = None, generation: dict | None = None,
+                             chat_format: Any = None) -> dict[str, dict]:
+    """{"thinking": {...}, "non_thinking": {...}} for the loaded model (spec: the sampling defaults
+    follow the loaded architecture).
 
-    A model family states its own through `ModelFamily.sampling_presets(architecture)`; without
-    one (None) the Qwen presets apply.
+    In order: the family's `ModelFamily.sampling_presets(architecture)`, the presets of its chat
+    format, the artifact's generation config (the checkpoint's generation_config.json values, one
+    preset for both modes), then the neutral sampler.
     """
     presets = family.sampling_presets(architecture) if family is not None else None
+    if not presets and chat_format is not None:
+        presets = getattr(chat_format, "sampling", None)
     if presets:
-        return presets
-    return {"thinking": dict(QWEN_THINKING), "non_thinking": dict(QWEN_NON_THINKING)}
+        return {k: dict(v) for k, v in presets.items()}
+    preset = dict(NEUTRAL_PRESET)
+    for key in _GENERATION_KEYS:
+        value = (generation or {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            preset[key] = value
+    return {"thinking": dict(preset), "non_thinking": dict(preset)}
 
 
 def resolve_sampling(ctx: ServerContext, thinking: bool, request: dict[str, Any],
@@ -87,7 +99,7 @@ def derived_output_limit(ctx: ServerContext, prompt_tokens: int) -> int | None:
 @dataclass
 class PreparedPrompt:
     ids: list[int]
-    opens_reasoning: bool  # the generation prompt left a <think> block open
+    opens_reasoning: bool  # the generation prompt left a reasoning block open
 
 
 def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict] | None,
@@ -101,6 +113,8 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
                           "server with --chat-template NAME|FILE.")
     tok = ctx.tokenizer
     kwargs = dict(template_kwargs)
+    # the tokenizer's own markers, as transformers passes them (some templates open with bos_token)
+    kwargs.setdefault("bos_token", getattr(tok, "bos_token", None) or "")
     try:
         if hasattr(tpl, "render_ids"):
             ids = list(tpl.render_ids(tok, messages, tools=tools, add_generation_prompt=True,
@@ -122,7 +136,7 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
 def prompt_hints(ctx: ServerContext, ids: list[int], template_kwargs: dict[str, Any]) -> Any:
     """CheckpointHints for a rendered chat prompt under the request's resolved preserve_thinking
     (spec "Execution behavior": it selects the turn-closure frontier of new checkpoints). Message
-    boundaries come from the chat template's learned opener and role heads (ChatML or not); a
+    boundaries come from the chat template's learned opener and role heads; a
     template they cannot be learned from gives no turn-closure or boundary hints."""
     from ninfer_core.engine.checkpoints import CheckpointHints
     from ninfer_core.engine.turn_markers import hints_from_markers, template_turn_markers
@@ -145,13 +159,15 @@ def _is_template_error(e: Exception) -> bool:
 
 
 def think_ids(tokenizer: Any) -> tuple[int | None, int | None]:
-    return tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    """The control tokens that open and close reasoning in the model's chat format."""
+    fmt = chat_format_of(tokenizer)
+    return token_id(tokenizer, fmt.reasoning_open_token), token_id(tokenizer, fmt.reasoning_close)
 
 
 def opens_reasoning(tokenizer: Any, ids: list[int]) -> bool:
-    """True when the prompt's last <think> control token is not followed by a </think>.
+    """True when the prompt's last reasoning-open control token is not followed by a close.
 
-    Content is encoded as text, so a quoted "<think>" in a message cannot open a block.
+    Content is encoded as text, so a quoted open marker in a message cannot open a block.
     """
     open_id, close_id = think_ids(tokenizer)
     if open_id is None:
@@ -167,7 +183,7 @@ def opens_reasoning(tokenizer: Any, ids: list[int]) -> bool:
 
 
 class ReasoningTokenCounter:
-    """Counts completion tokens spent inside a <think> block (usage reasoning_tokens)."""
+    """Counts completion tokens spent inside a reasoning block (usage reasoning_tokens)."""
 
     def __init__(self, tokenizer: Any, in_reasoning: bool):
         self.open_id, self.close_id = think_ids(tokenizer)
@@ -231,15 +247,22 @@ def collapse_effort(template: Any, effort: str | None) -> str | None:
 
 # -- forced tool calls, thinking budgets, post-thinking ------------------------------------------
 
-def forced_call_opener(name: str) -> str:
-    """The text a prompt ends with to force a call to `name` (Qwen form)."""
-    return f"<tool_call>\n<function={name}>\n"
+def _tool_syntax(tokenizer: Any):
+    syntax = chat_format_of(tokenizer).tools
+    if syntax is None:
+        raise EngineError(400, "tool_choice_not_supported", "This model's chat format states no tool-call "
+                          "syntax, so a call to a named function cannot be forced.", param="tool_choice")
+    return syntax
+
+
+def forced_call_opener(name: str, tokenizer: Any = None) -> str:
+    """The text a prompt ends with to force a call to `name` (in the model's chat format)."""
+    return _tool_syntax(tokenizer).forced_opener(name)
 
 
 def forced_call_ids(tokenizer: Any, name: str) -> list[int]:
-    """The opener's ids: <tool_call> as its control token, the rest (with the caller's name) as text."""
-    head = tokenizer.encode("<tool_call>", allow_special=True)
-    return head + tokenizer.encode(f"\n<function={name}>\n", allow_special=False)
+    """The opener's ids: its control token as such, the rest (with the caller's name) as text."""
+    return _tool_syntax(tokenizer).forced_ids(tokenizer, name)
 
 
 BUDGET_MESSAGE = ("\n\nConsidering the limited time by the user, I have to give the solution based on the "
@@ -250,14 +273,16 @@ def budget_close_ids(ctx: ServerContext) -> list[int]:
     """Guidance + close marker (+ the format newlines) committed at a thinking budget."""
     message = ctx.options.thinking.thinking_budget_message
     text = BUDGET_MESSAGE if message is None else message
-    if "</think>" not in text:
-        text = text + ("" if text.endswith("\n") else "\n") + "</think>"
-    if text.endswith("</think>"):
-        text += "\n\n"
     tok = ctx.tokenizer
-    close = tok.token_to_id("</think>")
+    fmt = chat_format_of(tok)
+    marker = fmt.reasoning_close
+    if marker not in text:
+        text = text + ("" if text.endswith("\n") else "\n") + marker
+    if text.endswith(marker) and fmt.close_needs_space:
+        text += "\n\n"
+    close = tok.token_to_id(marker)
     ids: list[int] = []
-    for i, piece in enumerate(text.split("</think>")):
+    for i, piece in enumerate(text.split(marker)):
         if i:
             ids.append(close)
         if piece:

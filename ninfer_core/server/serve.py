@@ -116,7 +116,7 @@ def run_serve(args, host: PluginHost | None = None) -> int:
 
     try:
         if options.chat_template:
-            template = resolve_chat_template(options.chat_template)
+            template = resolve_chat_template(options.chat_template, host)
         else:
             template = ChatTemplate(artifact.chat_template) if artifact.chat_template else None
     except TemplateError as e:

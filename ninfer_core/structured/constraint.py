@@ -12,7 +12,7 @@ A verify round fills one row per draft position by accepting the drafts tentativ
 back: fill row 0, accept(d0), fill row 1, accept(d1), ..., then rollback(k) and accept the
 verified prefix. Grammar state advances only with what the engine commits.
 
-Phases: while the prompt leaves a <think> block open nothing is masked; the reasoning-close token
+Phases: while the prompt leaves a reasoning block open nothing is masked; the reasoning-close token
 switches to the format newlines, then to the grammar (thinking first, then constrained content).
 """
 
@@ -39,7 +39,7 @@ class Constraint:
         self.think_end = frozenset(think_end_ids)
         self.phase = REASONING if (in_reasoning and self.think_end) else ACTIVE
         self._close_words = compiled.close_words
-        self._tool_token = vocab.markers.get("<tool_call>") if compiled.with_tools else None
+        self._tool_token = vocab.tool_open_id if compiled.with_tools else None
         self._started = False  # an ACTIVE token was accepted (tools: the first one picks the branch)
         self._history: collections.deque = collections.deque(maxlen=MAX_ROLLBACK)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab.size)  # [1, words] int32, CPU

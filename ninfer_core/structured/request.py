@@ -58,7 +58,9 @@ def make_constraint(ctx, compiled, opens_reasoning: bool = False):
     """The per-request Constraint for GenerationRequest.constraint (None without a compiled format)."""
     if compiled is None:
         return None
-    close = ctx.tokenizer.token_to_id("</think>") if opens_reasoning else None
+    from ninfer_core.server.prepare import think_ids
+
+    close = think_ids(ctx.tokenizer)[1] if opens_reasoning else None
     return ctx.structured.constraint(
         compiled,
         in_reasoning=opens_reasoning and close is not None,

@@ -1,4 +1,4 @@
-"""Grammars for the Qwen tool-call envelope, as xgrammar structural tags.
+"""Grammars for the XML tool-call envelope (`ninfer_core.tokenizer.toolcalls`), as xgrammar structural tags.
 
 - `auto_calls(tools, parallel)`: one or more calls to declared tools; each declared parameter at
   most once, in declaration order; values are free text that cannot contain the envelope's own
@@ -8,7 +8,7 @@
 - `forced_call_rest(parameters)`: what follows the forced opener "<tool_call>\\n<function=NAME>\\n"
   the prompt ends with: the arguments under the tool's parameter schema and the closing tags, each
   value spelled the way ninfer_core.tokenizer.toolcalls reads it back (text for a declared type that
-  admits strings, JSON otherwise; xgrammar's own qwen_xml style allows whitespace around values that
+  admits strings, JSON otherwise; xgrammar's own XML-parameter style allows whitespace around values that
   the parser keeps as text). With --structured-output a forced call's arguments therefore always
   parse against the schema (NInfer's addition to the spec).
 """
@@ -67,7 +67,7 @@ def forced_call_rest(parameters: dict) -> st.StructuralTag:
         if not _NAME_OK.match(name):
             raise SchemaError(
                 "invalid_json_schema",
-                f"the parameter name {name[:40]!r} cannot be written in a Qwen tool call",
+                f"the parameter name {name[:40]!r} cannot be written in an XML tool call",
                 ("properties", name),
             )
         tag = st.TagFormat(

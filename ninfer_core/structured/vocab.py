@@ -1,9 +1,10 @@
 """Per-tokenizer vocabulary facts for the masks: xgrammar's token list and the static token tables
 the semantic layer (tracker.py) uses to restrict masks without looking at every token.
 
-Special tokens (the tokenizer's special=True added tokens: <|im_end|>, vision markers, ...) get
+Special tokens (the tokenizer's special=True added tokens: turn ends, vision markers, ...) get
 empty bytes, which xgrammar treats as special: the grammar never produces them, the stop tokens
-end it. Text markers (<think>, <tool_call>, ...) keep their text, so a grammar can require them.
+end it. Text markers (reasoning and tool-call markers written as answer text) keep their text, so a
+grammar can require them.
 Ids past the tokenizer (a vocabulary padded to the model's logits width) are empty as well.
 """
 
@@ -93,14 +94,17 @@ class VocabTables:
             else:
                 self.token_bytes.append(tokenizer.token_bytes(i))
         self.eos_ids = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", ()) or ())))
-        self.markers = {
-            m: tokenizer.token_to_id(m) for m in ("<think>", "</think>", "<tool_call>", "</tool_call>")
-        }
+        # the token a tool call opens with in the model's chat format (the tools grammar's first word)
+        from ninfer_core.tokenizer.chat_format import chat_format_of, token_id
+
+        syntax = chat_format_of(tokenizer).tools
+        self.tool_open_id = (token_id(tokenizer, syntax.markers[0])
+                             if syntax is not None and syntax.markers else None)
         self._lock = threading.Lock()
         self._tables = None
 
     def close_whitespace_words(self) -> np.ndarray:
-        """The tokens that may follow a generated </think>: the format newlines ("\\n\\n" or "\\n")."""
+        """The tokens that may follow a generated reasoning close: the format newlines ("\\n\\n" or "\\n")."""
         ok = np.zeros(self.size, dtype=bool)
         for i, b in enumerate(self.token_bytes):
             if b in (b"\n\n", b"\n"):

@@ -10,8 +10,9 @@ from typing import Iterable
 
 import tiktoken
 
-# The Qwen3.5 split pattern, used when a section names none.
-QWEN35_PATTERN = (
+# The split pattern of a section that names none (format-2 artifacts predate the "pattern" key and
+# were all written with this one).
+DEFAULT_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
     r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -40,7 +41,7 @@ def parse_ranks(text: str) -> dict[bytes, int]:
 
 
 def _build_encoding(ranks_text: str, pattern: str, added: tuple[tuple[str, int], ...]) -> tiktoken.Encoding:
-    # Sections from the same artifact (or the packaged Qwen3.5 one) are loaded repeatedly by tests
+    # Sections from the same artifact (or a packaged one) are loaded repeatedly by tests
     # and by the server; parsing 248k ranks costs ~0.3 s, so the built Encoding is shared.
     key = (ranks_text, pattern, added)
     with _cache_lock:
@@ -74,7 +75,7 @@ class Tokenizer:
         ranks_text = section.get("ranks")
         if not isinstance(ranks_text, str):
             raise TokenizerError("tokenizer section has no 'ranks' text")
-        pattern = section.get("pattern") or QWEN35_PATTERN
+        pattern = section.get("pattern") or DEFAULT_PATTERN
         added_tokens = section.get("added_tokens") or []
         added = tuple((t["content"], int(t["id"])) for t in added_tokens)
         self._enc = _build_encoding(ranks_text, pattern, added)
@@ -96,11 +97,15 @@ class Tokenizer:
 
     @classmethod
     def from_section(cls, section: dict) -> "Tokenizer":
+        if section.get("type") == "tokenizers":  # not byte-level BPE: ninfer_core.tokenizer.hf_json
+            from ninfer_core.tokenizer.hf_json import JsonTokenizer
+
+            return JsonTokenizer(section)
         return cls(section)
 
     @property
     def added_tokens(self) -> dict[str, int]:
-        """Added-token text -> id (control tokens and markers such as <think>)."""
+        """Added-token text -> id (control tokens and the markup the model writes as text)."""
         return dict(self._added)
 
     def _normalize(self, text: str) -> str:

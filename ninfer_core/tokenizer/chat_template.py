@@ -1,18 +1,16 @@
 """Chat templates: Jinja rendering in a sandbox, and prompt encoding that keeps quoted control tokens text.
 
-A prompt is template markup (<|im_start|>, <think>, ...) around caller data (message content, tool
+A prompt is template markup (turn markers, reasoning markers, ...) around caller data (message content, tool
 schemas, tool arguments, template kwargs). Encoding the rendered string with added tokens allowed
-would turn a user's quoted "<|im_end|>" into the control token. render_segments() therefore renders
+would turn a user's quoted turn-end marker into the control token. render_segments() therefore renders
 with every added-token spelling inside the data replaced by a sentinel, so the only spellings left
 in the output are the template's own; the sentinels are turned back into text afterwards and
 encoded as ordinary text. Consequence: a template cannot see added-token spellings in the data
-(a "'</think>' in content" test is false for data that quotes the marker).
+(a "'<marker>' in content" test is false for data that quotes the marker).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -231,17 +229,6 @@ class ChatTemplate:
         return ids
 
 
-def _load_qwen35() -> str:
-    return (
-        importlib.resources.files("ninfer_core.tokenizer")
-        .joinpath("templates/qwen35.jinja")
-        .read_text(encoding="utf-8")
-    )
-
-
-QWEN35_TEMPLATE: str = _load_qwen35()
-
-
 def render_ids(
     tokenizer,
     messages,
@@ -251,13 +238,9 @@ def render_ids(
     template: ChatTemplate | None = None,
     **kwargs,
 ) -> list[int]:
-    """Encode a chat with `template` (default: the project's Qwen3.5 template).
+    """Encode a chat with `template` (required: core has no template of its own).
 
     See ChatTemplate.render_ids; `tokenizer` needs encode() and an added_tokens mapping."""
-    template = template or _qwen35()
+    if template is None:
+        raise TemplateError("render_ids needs a chat template")
     return template.render_ids(tokenizer, messages, tools, add_generation_prompt, enable_thinking, **kwargs)
-
-
-@functools.cache
-def _qwen35() -> ChatTemplate:
-    return ChatTemplate(QWEN35_TEMPLATE)

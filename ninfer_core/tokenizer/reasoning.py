@@ -1,10 +1,13 @@
-"""Streaming split of generated text into the reasoning and content channels (<think>/</think>).
+"""Streaming split of generated text into the reasoning and content channels.
 
-Rules (spec, "OpenAI Chat Completions"):
-- Reasoning is open from the start when the prompt ended inside a think block (in_reasoning=True),
-  or when the output begins with "<think>". One "\\n" right after the opening belongs to the format.
-- Reasoning closes only at a "</think>" followed by whitespace or the end of output; a marker the
-  model quotes while reasoning (followed by anything else) stays reasoning text.
+The open and close markers are the model's (its family's `ChatFormat`); without them (None) all
+text is content. Rules (spec, "OpenAI Chat Completions"):
+- Reasoning is open from the start when the prompt ended inside a reasoning block
+  (in_reasoning=True), or when the output begins with the open marker. One "\\n" right after the
+  opening belongs to the format.
+- Reasoning closes only at a close marker followed by whitespace or the end of output (with
+  close_needs_space; otherwise at any close marker); a marker the model quotes while reasoning
+  (followed by anything else) stays reasoning text.
 - The "\\n\\n" (or single "\\n") right after the closing marker belongs to the format, not the content.
 - After reasoning closes, everything is content, including any further markers.
 Only a suffix that may still become a marker (or the format newlines around one) is held back;
@@ -13,8 +16,6 @@ finish() flushes it.
 
 from __future__ import annotations
 
-OPEN = "<think>"
-CLOSE = "</think>"
 _CLOSE_FOLLOWERS = frozenset(" \t\r\n\f\v")
 
 _START, _REASONING_START, _REASONING, _AFTER_CLOSE, _CONTENT = range(5)
@@ -23,9 +24,15 @@ _START, _REASONING_START, _REASONING, _AFTER_CLOSE, _CONTENT = range(5)
 class ReasoningSplitter:
     """Feed generated text chunks; get ("reasoning"|"content", text) pieces in output order."""
 
-    def __init__(self, in_reasoning: bool):
-        self._state = _REASONING_START if in_reasoning else _START
+    def __init__(self, in_reasoning: bool, open_marker: str | None, close_marker: str | None,
+                 close_needs_space: bool = True):
+        # the markers come from the model's chat format (ninfer_core.tokenizer.chat_format)
+        if not (open_marker and close_marker):
+            self._state = _CONTENT
+        else:
+            self._state = _REASONING_START if in_reasoning else _START
         self._buf = ""
+        self._open, self._close, self._needs_space = open_marker, close_marker, close_needs_space
 
     @property
     def in_reasoning(self) -> bool:
@@ -57,10 +64,10 @@ class ReasoningSplitter:
             buf = self._buf
             state = self._state
             if state == _START:
-                if buf.startswith(OPEN):
-                    self._buf = buf[len(OPEN):]
+                if buf.startswith(self._open):
+                    self._buf = buf[len(self._open):]
                     self._state = _REASONING_START
-                elif OPEN.startswith(buf) and not final:
+                elif self._open.startswith(buf) and not final:
                     return
                 else:
                     self._state = _CONTENT
@@ -91,13 +98,14 @@ class ReasoningSplitter:
     def _scan_reasoning(self, out: list, final: bool) -> bool:
         """Emit reasoning up to a closing marker; True when waiting for more text."""
         buf = self._buf
+        close = self._close
         start = 0
         while True:
-            idx = buf.find(CLOSE, start)
+            idx = buf.find(close, start)
             if idx < 0:
                 break
-            after = idx + len(CLOSE)
-            if after == len(buf):
+            after = idx + len(close)
+            if after == len(buf) and self._needs_space:
                 self._emit(out, "reasoning", buf[:idx])
                 if final:
                     self._buf = ""
@@ -105,7 +113,7 @@ class ReasoningSplitter:
                     return False
                 self._buf = buf[idx:]
                 return True
-            if buf[after] in _CLOSE_FOLLOWERS:
+            if not self._needs_space or buf[after] in _CLOSE_FOLLOWERS:
                 self._emit(out, "reasoning", buf[:idx])
                 self._buf = buf[after:]
                 self._state = _AFTER_CLOSE
@@ -113,8 +121,8 @@ class ReasoningSplitter:
             start = idx + 1
         hold = 0
         if not final:
-            for k in range(min(len(CLOSE) - 1, len(buf)), 0, -1):
-                if buf.endswith(CLOSE[:k]):
+            for k in range(min(len(close) - 1, len(buf)), 0, -1):
+                if buf.endswith(close[:k]):
                     hold = k
                     break
         self._emit(out, "reasoning", buf[: len(buf) - hold])

@@ -1,7 +1,7 @@
-"""Reading tool calls out of generated answer text (the Qwen XML form and the agent variants).
+"""Reading tool calls out of generated answer text (the XML function form and the agent variants).
 
 Forms (spec, "OpenAI Chat Completions"; every opening tag is closed by its own kind):
-- Qwen:   <tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>
+- XML:    <tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>
 - agents: <function name="NAME"> ... </function> or <invoke name="NAME"> ... </invoke>, with
           <parameter name="ARG">value</parameter> or <param name="ARG">value</param>,
           bare or inside a <function_calls> ... </function_calls> (or <tool_call>) container.

@@ -35,10 +35,11 @@ def http(live_server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from qwen_format import qwen35_tokenizer_section, with_format
 
-    return Tokenizer.from_section(qwen35_tokenizer_section())
+    from ninfer_core.tokenizer import Tokenizer
+
+    return with_format(Tokenizer.from_section(qwen35_tokenizer_section()))
 
 
 def events_of(text: str) -> list:

@@ -252,13 +252,13 @@ def test_json_bodies_round_trip(ops):
 
 def test_an_artifact_without_a_template_is_served_with_its_familys(launch, tmp_path):
     testing = pytest.importorskip("ninfer_qwen35.testing")
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from qwen_format import qwen35_tokenizer_section
 
     path = testing.build_tiny_artifact(str(tmp_path / "no-template.ninfer"), kind="dense",
                                        tokenizer_section=qwen35_tokenizer_section(), chat_template=None)
     s = launch(path, log_dir=tmp_path)
     try:
-        assert "the artifact has no chat template: using the built-in qwen35 template" in s.log()
+        assert "the artifact has no chat template: using the qwen3_5 model family's template" in s.log()
         r = httpx.post(s.base_url + "/v1/chat/completions", timeout=120, json={"messages": HI, "max_tokens": 2})
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
     finally:

@@ -16,13 +16,15 @@ import pytest
 pytest.importorskip("ninfer_qwen35")
 ninfer_tiny_plugin = pytest.importorskip("ninfer_tiny.plugin")
 
+from qwen_format import QWEN35_TEMPLATE, with_format
+
 from ninfer_core.artifact import Artifact
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import GenerationRequest, SamplingParams
 from ninfer_core.engine.engine import Engine
 from ninfer_core.testing import collect, run_async
 from ninfer_core.tokenizer import Tokenizer
-from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+from ninfer_core.tokenizer.chat_template import ChatTemplate
 
 GREEDY = SamplingParams(temperature=0.0)
 TEMPLATE = ChatTemplate(QWEN35_TEMPLATE)
@@ -38,7 +40,7 @@ def model():
     if path is None:
         pytest.skip("the trained ninfer-tiny artifact is not packaged")
     art = Artifact.open(path)
-    return art, Qwen35Family(), Tokenizer.from_section(art.tokenizer_section)
+    return art, Qwen35Family(), with_format(Tokenizer.from_section(art.tokenizer_section))
 
 
 def make_engine(model, reuse: bool, **opts) -> Engine:

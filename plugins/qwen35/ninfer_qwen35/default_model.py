@@ -28,8 +28,7 @@ def _sha(obj) -> str:
 
 
 def _inputs() -> tuple[dict, str | None]:
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from ninfer_qwen35.chat import QWEN35_TEMPLATE, qwen35_tokenizer_section
 
     return qwen35_tokenizer_section(), QWEN35_TEMPLATE
 

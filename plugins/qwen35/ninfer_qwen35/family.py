@@ -14,6 +14,7 @@ import re
 import torch
 
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.model import Qwen35TextModel
 from ninfer_qwen35.mtp import MtpHead
@@ -49,6 +50,13 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 class Qwen35Family(ModelFamily):
     name = "qwen35"
+    chat_template = QWEN35_TEMPLATE  # stored by `ninfer convert` when a checkpoint has none
+
+    def chat_format(self, artifact):
+        return QWEN35_CHAT_FORMAT
+
+    def sampling_presets(self, architecture: str) -> dict | None:
+        return {k: dict(v) for k, v in SAMPLING_PRESETS.items()}
 
     def load(self, artifact, device: str = "cpu", dtype: str | None = None, options=None) -> Qwen35Runner:
         dev = torch.device(device)
@@ -92,8 +100,6 @@ class Qwen35Family(ModelFamily):
         import torch
 
         from ninfer_qwen35.gpu.random_model import RandomArtifact
-
-        from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE
         from ninfer_qwen35.testing import minimal_tokenizer_section
 
         kw.setdefault("tokenizer_section", minimal_tokenizer_section())

@@ -13,6 +13,21 @@ def ninfer_register_model_families(register):
 
 
 @hookimpl
+def ninfer_register_chat_templates(register):
+    """The built-in names of the formats this family speaks (`--chat-template NAME`)."""
+    register("qwen35", "ninfer_qwen35.chat:QWEN35_TEMPLATE")
+    register("qwen3.5", "ninfer_qwen35.chat:QWEN35_TEMPLATE")
+    register("chatml", "ninfer_qwen35.chat:CHATML_TEMPLATE")
+
+
+@hookimpl
+def ninfer_register_bench_shapes(register):
+    register("qwen3.5-9b", "ninfer_qwen35.shapes:QWEN35_9B", default=True)
+    register("qwen3.5-27b", "ninfer_qwen35.shapes:QWEN35_27B")
+    register("qwen3.5-35b-a3b", "ninfer_qwen35.shapes:QWEN35_35B_A3B")
+
+
+@hookimpl
 def ninfer_default_artifact(cache_dir):
     """The small random-weight Qwen3.5 model `ninfer serve` runs when no artifact is named."""
     from ninfer_qwen35.default_model import ensure_default_artifact

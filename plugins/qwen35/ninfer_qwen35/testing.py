@@ -331,7 +331,7 @@ def _per_expert_specs(name: str, shape: tuple[int, ...], seed: int, dtype):
 
 def _project_template() -> str | None:
     try:
-        from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE
+        from ninfer_qwen35.chat import QWEN35_TEMPLATE
     except ImportError:  # the tokenizer package not installed yet: artifacts work without a template
         return None
     return QWEN35_TEMPLATE

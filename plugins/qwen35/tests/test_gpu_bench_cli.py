@@ -118,21 +118,28 @@ def test_render_table_reports_missing_comparisons():
 
 @pytest.mark.parametrize("vocab", [512, 248320])
 def test_covering_tokenizer_gives_every_id_distinct_text(vocab):
+    from ninfer_qwen35.chat import QWEN35_TEMPLATE, qwen35_tokenizer_section
     from ninfer_qwen35.testing import minimal_tokenizer_section
 
-    from ninfer_core.bench.text_tokenizer import covering_section, text_coverage
+    from ninfer_core.bench.text_tokenizer import covering_section, template_controls, text_coverage
     from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
-    tok = Tokenizer.from_section(covering_section(vocab))
+    msgs = [{"role": "user", "content": "Benchmark prompt number 7: say anything."}]
+    tpl = ChatTemplate(QWEN35_TEMPLATE)
+    controls = template_controls(qwen35_tokenizer_section(), tpl.render(msgs) + tpl.render(msgs, enable_thinking=False))
+    # the end tokens first, then the markup the bench's prompts spell (no vision or tool markers)
+    assert controls["tokens"] == ["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<think>", "</think>"]
+    tok = Tokenizer.from_section(covering_section(vocab, controls))
     assert tok.vocab_size == vocab
     texts = [tok.decode([i]) for i in range(vocab)]
     specials = [i for i in range(vocab) if tok.is_special(i)]
-    assert specials == [0, 1, 2, 3, 4]
+    n = len(controls["tokens"])
+    assert specials == list(range(n))
     plain = [t for i, t in enumerate(texts) if i not in specials]
     assert all(t and t.isprintable() or t in ("\n", "\t") for t in plain)
     assert len(set(plain)) == len(plain)
-    assert text_coverage(tok, vocab) == (vocab - 5) / vocab
+    assert text_coverage(tok, vocab) == (vocab - n) / vocab
     # the bench's chat prompts encode below the vocabulary and round-trip
     prompt = ChatTemplate(QWEN35_TEMPLATE).render(
         [{"role": "user", "content": "Benchmark prompt number 7: say anything."}])

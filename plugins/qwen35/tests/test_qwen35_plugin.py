@@ -28,8 +28,29 @@ def test_family_registered_for_every_architecture():
     assert h.resolve("model_family", "qwen35").load() is Qwen35Family
 
 
+def test_chat_format_templates_presets_and_bench_shapes_come_from_the_family():
+    """What core used to assume about Qwen3.5 is stated by the family (issue 16)."""
+    from ninfer_qwen35.chat import CHATML_TEMPLATE, QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
+    from ninfer_qwen35.family import Qwen35Family
+
+    from ninfer_core.bench.shapes import default_shape, shapes
+
+    h = host()
+    templates = {n: r.load() for n, r in h.registry("chat_template").items()}
+    assert templates == {"qwen35": QWEN35_TEMPLATE, "qwen3.5": QWEN35_TEMPLATE, "chatml": CHATML_TEMPLATE}
+    fam = Qwen35Family()
+    assert fam.chat_format(None) is QWEN35_CHAT_FORMAT and fam.chat_template == QWEN35_TEMPLATE
+    assert fam.sampling_presets("qwen3_5") == SAMPLING_PRESETS
+    assert SAMPLING_PRESETS["thinking"]["top_k"] == 20 and SAMPLING_PRESETS["non_thinking"]["presence_penalty"] == 1.5
+    fmt = QWEN35_CHAT_FORMAT
+    assert (fmt.reasoning_open, fmt.reasoning_close, fmt.turn_opener) == ("<think>", "</think>", "<|im_start|>")
+    assert fmt.tools.forced_opener("f") == "<tool_call>\n<function=f>\n"
+    assert set(shapes(h)) == {"qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"} and default_shape(h) == "qwen3.5-9b"
+    assert shapes(h)["qwen3.5-35b-a3b"]["model_type"] == "qwen3_5_moe"
+
+
 def test_default_artifact_is_built_once_and_served(tmp_path):
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE
+    from ninfer_qwen35.chat import QWEN35_TEMPLATE
 
     path = host().default_artifact(str(tmp_path))
     assert path and os.path.exists(path)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterable
 
-from ninfer_core.tokenizer.bpe import QWEN35_PATTERN
-from ninfer_core.tokenizer.hf import QWEN35_EOS_TOKENS, _check_merge_order, bytes_to_unicode
+from ninfer_qwen35.chat import EOS_TOKENS as QWEN35_EOS_TOKENS
+from ninfer_qwen35.chat import QWEN35_PATTERN
+
+from ninfer_core.tokenizer.hf import _check_merge_order, bytes_to_unicode
 
 
 def qwen35_added_tokens() -> list[dict]:
     """Qwen3.5's added tokens in id order: [{content, special}]."""
-    from ninfer_core.tokenizer.hf import qwen35_tokenizer_section
+    from ninfer_qwen35.chat import qwen35_tokenizer_section
 
     added = sorted(qwen35_tokenizer_section()["added_tokens"], key=lambda t: t["id"])
     return [{"content": t["content"], "special": bool(t["special"])} for t in added]

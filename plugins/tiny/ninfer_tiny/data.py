@@ -334,7 +334,9 @@ def _draw(r: random.Random, kind: str | None) -> Sample:
 @functools.lru_cache(maxsize=1)
 def project_template():
     """The project's Qwen3.5 chat template, compiled once."""
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE, ChatTemplate
+    from ninfer_qwen35.chat import QWEN35_TEMPLATE
+
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
 
     return ChatTemplate(QWEN35_TEMPLATE)
 

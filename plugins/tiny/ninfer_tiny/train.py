@@ -160,9 +160,9 @@ def batches(tokens, recipe: Recipe, seed: int):
 def write_tiny_artifact(path, model, section: dict) -> str:
     """Write the trained model as a `.ninfer` artifact (bf16, checkpoint names, flat text layout)."""
     import torch
+    from ninfer_qwen35.chat import QWEN35_TEMPLATE
 
     from ninfer_core.artifact import TensorSpec, write_artifact
-    from ninfer_core.tokenizer.chat_template import QWEN35_TEMPLATE
 
     state = model.checkpoint_state()
     specs = [

@@ -1,0 +1,139 @@
+"""Gemma4Family: builds a Gemma 4 (dense, PLE or MoE) runner from an artifact.
+
+Loading follows the Qwen3.5 family: modules are built on the meta device, then the artifact's
+memory-mapped tensors are assigned by name (cast to the run dtype). Both Hugging Face layouts load:
+`model.language_model.*` (Gemma4ForConditionalGeneration, the published checkpoints) and `model.*`
+(Gemma4ForCausalLM). Vision and audio towers (`model.vision_tower.*`, `model.embed_vision.*`,
+`model.audio_tower.*`, `model.embed_audio.*`) are not loaded by the text model. Checkpoints that
+still carry K/V projections for KV-shared layers have them dropped, as transformers does.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ninfer_core.engine.model_api import ModelFamily
+from ninfer_gemma4.chat import GEMMA4_TEMPLATE
+from ninfer_gemma4.config import Gemma4Config
+from ninfer_gemma4.model import Gemma4TextModel
+from ninfer_gemma4.runner import Gemma4Runner
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+MEDIA_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+_SHARED_KV = re.compile(r"^layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
+
+
+class LoadError(ValueError):
+    """The artifact's tensors do not fit the model its config describes."""
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)") from None
+
+
+class Gemma4Family(ModelFamily):
+    name = "gemma4"
+    chat_template = GEMMA4_TEMPLATE  # stored by `ninfer convert` when a checkpoint has none
+
+    def load(self, artifact, device: str = "cpu", dtype: str | None = None, options=None) -> Gemma4Runner:
+        dev = torch.device(device)
+        run_dtype = resolve_dtype(dtype, dev)
+        cfg = Gemma4Config.from_hf(artifact.config, getattr(artifact, "architecture", None))
+        with torch.device("meta"):
+            model = Gemma4TextModel(cfg)
+        state = text_state(artifact, cfg)
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        if tied:
+            state.pop("lm_head.weight", None)
+        assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if tied else set())
+        if tied:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.init_rotary(dev)
+        eos = ()
+        tok = getattr(artifact, "tokenizer_section", None)
+        if isinstance(tok, dict):
+            by_text = {t.get("content"): t.get("id") for t in tok.get("added_tokens", [])}
+            eos = tuple(by_text[e] for e in tok.get("eos_tokens", []) if by_text.get(e) is not None)
+        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+
+    def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
+        """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as
+        the loader asks for them (`ninfer bench`; nothing is written)."""
+        from ninfer_gemma4.gpu.random_model import RandomArtifact
+        from ninfer_gemma4.test_tokenizer import tokenizer_section
+
+        kw.setdefault("tokenizer_section", tokenizer_section())
+        kw.setdefault("chat_template", GEMMA4_TEMPLATE)
+        dev = torch.device(device)
+        return RandomArtifact(hf_config, device=dev, dtype=resolve_dtype(None, dev), seed=seed, **kw)
+
+    def transformers_model(self, runner, hf_config: dict):
+        """transformers' model of the same weights, sharing `runner`'s tensors (no copy)."""
+        from ninfer_gemma4.gpu.random_model import transformers_model
+
+        return transformers_model(runner, hf_config)
+
+    def chat_format(self, artifact):
+        from ninfer_gemma4.chat import GEMMA4_CHAT_FORMAT
+
+        return GEMMA4_CHAT_FORMAT
+
+    def sampling_presets(self, architecture: str) -> dict | None:
+        from ninfer_gemma4.chat import SAMPLING_PRESET
+
+        return {"thinking": dict(SAMPLING_PRESET), "non_thinking": dict(SAMPLING_PRESET)}
+
+
+def text_state(artifact, cfg: Gemma4Config) -> dict[str, torch.Tensor]:
+    names = [n for n in artifact.tensor_names() if not n.startswith(MEDIA_PREFIXES)]
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), None)
+    if prefix is None:
+        raise LoadError("no text-model layers found (expected model.language_model.layers.* or model.layers.*)")
+    state = {}
+    for n in names:
+        if n.startswith(prefix):
+            short = n[len(prefix):]
+            m = _SHARED_KV.match(short)
+            if m and cfg.shares_kv(int(m.group(1))):
+                continue
+            state[short] = artifact.get_tensor(n)
+        elif n == "lm_head.weight":
+            state[n] = artifact.get_tensor(n)
+    return state
+
+
+def assign(module: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, skip=()) -> None:
+    expected = {n: p for n, p in module.named_parameters() if n not in skip}
+    buffers = dict(module.named_buffers())
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - set(buffers))
+    if missing or unexpected:
+        raise LoadError(
+            f"weights do not match the config: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    for name, param in expected.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise LoadError(f"{name}: stored shape {tuple(t.shape)}, config expects {tuple(param.shape)}")
+        owner, _, leaf = name.rpartition(".")
+        mod = module.get_submodule(owner) if owner else module
+        setattr(mod, leaf, torch.nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+    for name, buf in buffers.items():  # layer_scalar: stored by transformers, ones when absent
+        owner, _, leaf = name.rpartition(".")
+        mod = module.get_submodule(owner) if owner else module
+        value = state.get(name)
+        if value is not None and tuple(value.shape) != tuple(buf.shape):
+            raise LoadError(f"{name}: stored shape {tuple(value.shape)}, config expects {tuple(buf.shape)}")
+        mod.register_buffer(leaf, (value if value is not None else torch.ones(buf.shape)).to(device=device, dtype=dtype))

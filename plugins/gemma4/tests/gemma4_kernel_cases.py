@@ -1,0 +1,275 @@
+"""Cases of the Gemma 4 attention kernel checks (run by test_gemma4_kernels.py, in a subprocess
+with TRITON_INTERPRET=1 on the CPU, or directly on CUDA by tests/gpu)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ninfer_gemma4.gpu.attention import paged_attention, ref_paged_attention, use_triton
+
+
+def dense_attention(q_rows, keys, vals, qpos, window, scale):
+    """Plain attention over a contiguous key run (an independent check of the paged reference)."""
+    n, h, d = q_rows.shape
+    kvh = keys.shape[1]
+    g = h // kvh
+    kpos = torch.arange(keys.shape[0])
+    mask = kpos[None, :] <= qpos[:, None]
+    if window > 0:
+        mask &= kpos[None, :] > qpos[:, None] - window
+    out = torch.empty(n, h, d, dtype=torch.float64)
+    for hh in range(h):
+        s = (q_rows[:, hh].double() @ keys[:, hh // g].double().T) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        out[:, hh] = torch.softmax(s, dim=-1) @ vals[:, hh // g].double()
+    return out
+
+
+def build(starts, qlens, h, kvh, d, window, page, dtype=torch.float32, device="cpu", seed=0):
+    """Random caches and queries; each lane's pages are scattered over the pool, and with a window
+    the pages wholly behind every query's window point at a page full of NaN (never to be read)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    ends = [s + n for s, n in zip(starts, qlens)]
+    need = [-(-e // page) for e in ends]
+    num_pages = sum(need) + 1
+    k_cache = torch.randn(num_pages, page, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, page, kvh, d, generator=gen).to(dtype)
+    poison = num_pages - 1
+    k_cache[poison] = float("nan")
+    v_cache[poison] = float("nan")
+    ids = list(range(num_pages - 1))
+    rng.shuffle(ids)
+    tables, dense_k, dense_v = [], [], []
+    for b, (s, n) in enumerate(zip(starts, qlens)):
+        table = [ids.pop() for _ in range(need[b])]
+        dense_k.append(k_cache[table].reshape(-1, kvh, d)[: ends[b]].clone())
+        dense_v.append(v_cache[table].reshape(-1, kvh, d)[: ends[b]].clone())
+        if window > 0:
+            lo = max(0, s - window + 1)
+            table = [poison if (i + 1) * page <= lo else p for i, p in enumerate(table)]
+        tables.append(table)
+    q = torch.randn(sum(qlens), h, d, generator=gen).to(dtype)
+    return (q.to(device), k_cache.to(device), v_cache.to(device), tables, dense_k, dense_v)
+
+
+SHAPES = [  # (starts, qlens, H, KVH, D, window, page)
+    ([0, 37, 150], [40, 7, 1], 4, 2, 32, 48, 16),  # a sliding prefill crossing the window, chunks of 7, decode
+    ([0, 37, 150], [40, 7, 1], 4, 1, 64, 0, 16),  # global (no window), G = 4
+    ([5, 63, 64, 200], [1, 1, 1, 1], 8, 2, 48, 32, 16),  # a decode batch at page edges, D not a power of 2
+    ([100], [33], 2, 2, 32, 20, 16),  # window narrower than the chunk
+]
+
+
+def check(dtype=torch.float32, device="cpu", tol=1e-4, shapes=SHAPES):
+    worst = 0.0
+    for i, (starts, qlens, h, kvh, d, window, page) in enumerate(shapes):
+        q, kc, vc, tables, dk, dv = build(starts, qlens, h, kvh, d, window, page, dtype, device, seed=i)
+        scale = 1.0 if i % 2 == 0 else d ** -0.5
+        ref = ref_paged_attention(q.cpu().float(), kc.cpu().float(), vc.cpu().float(), tables, starts, qlens,
+                                  window, scale)
+        off = 0
+        for b, (s, n) in enumerate(zip(starts, qlens)):
+            want = dense_attention(q[off: off + n].cpu().float(), dk[b].float(), dv[b].float(),
+                                   torch.arange(s, s + n), window, scale)
+            # fp32 against fp64: long rows of wide heads (the real geometry) round at ~1e-5 of the scale
+            bound = 1e-5 * max(1.0, float(want.abs().max())) * (1 if n * d < 4096 else 10)
+            assert torch.allclose(ref[off: off + n].double(), want, atol=bound), f"reference wrong in shape {i}"
+            off += n
+        assert use_triton(q), "the kernel would not run"
+        got = paged_attention(q, kc, vc, tables, starts, qlens, window, scale).float().cpu()
+        assert torch.isfinite(got).all(), f"shape {i}: non-finite output (a page behind the window was read?)"
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, err)
+        assert err <= tol, f"shape {i}: max relative error {err:.2e} > {tol}"
+    print(f"gemma4 paged attention: worst max relative error {worst:.2e} over {len(shapes)} shapes ({dtype})")
+
+
+def check_ring(dtype=torch.float32, device="cpu", tol=1e-4):
+    """Sliding attention through a ring table (`wrap`): each lane's positions live in ring page
+    (p // page) % R of its own R pages, R * page >= qlen + window - 1; the kernel and the reference
+    against plain attention over the dense keys."""
+    cases = [([0, 90, 301], [40, 7, 1], 4, 2, 32, 24, 16), ([500, 77], [1, 16], 8, 2, 48, 20, 16)]
+    worst = 0.0
+    for i, (starts, qlens, h, kvh, d, window, page) in enumerate(cases):
+        gen = torch.Generator().manual_seed(10 + i)
+        rings = [-(-(n + window - 1) // page) for n in qlens]
+        r = max(rings)
+        # rows the ring does not hold yet are garbage of a large size (a real ring holds stale rows
+        # there): masked, they add nothing; read through a wrong mapping, they swamp the result
+        kc = 1e3 * torch.randn(len(starts) * r, page, kvh, d, generator=gen)
+        vc = 1e3 * torch.randn(len(starts) * r, page, kvh, d, generator=gen)
+        tables, dense = [], []
+        for b, (st, n) in enumerate(zip(starts, qlens)):
+            end = st + n
+            dk, dv = torch.randn(end, kvh, d, generator=gen), torch.randn(end, kvh, d, generator=gen)
+            for p in range(max(0, end - r * page), end):  # what the ring holds after the forward's writes
+                kc[b * r + (p // page) % r, p % page] = dk[p]
+                vc[b * r + (p // page) % r, p % page] = dv[p]
+            tables.append(list(range(b * r, b * r + r)))
+            dense.append((dk, dv))
+        q = torch.randn(sum(qlens), h, d, generator=gen)
+        ref = ref_paged_attention(q, kc, vc, tables, starts, qlens, window, 1.0, wrap=r)
+        off = 0
+        for b, (st, n) in enumerate(zip(starts, qlens)):
+            want = dense_attention(q[off: off + n], dense[b][0], dense[b][1], torch.arange(st, st + n), window, 1.0)
+            assert torch.allclose(ref[off: off + n].double(), want, atol=1e-5), f"ring reference wrong in case {i}"
+            off += n
+        got = paged_attention(q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), tables, starts, qlens,
+                              window, 1.0, wrap=r).float().cpu()
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, err)
+        assert err <= tol, f"ring case {i}: max relative error {err:.2e} > {tol}"
+    print(f"gemma4 ring attention: worst max relative error {worst:.2e} over {len(cases)} cases ({dtype})")
+
+
+def check_experts(dtype=torch.float32, device="cpu", tol=1e-4):
+    """The expert GEMV against its reference, and the decode experts against the expert loop."""
+    from ninfer_gemma4.gpu.moe import expert_gemv, experts_decode, ref_expert_gemv
+    from ninfer_gemma4.layers import Experts
+
+    gen = torch.Generator().manual_seed(4)
+    e, hid, inter, k, t = 8, 48, 40, 2, 5
+    x = torch.randn(t, hid, generator=gen)
+    gate_up = torch.randn(e, 2 * inter, hid, generator=gen) * hid ** -0.5
+    down = torch.randn(e, hid, inter, generator=gen) * inter ** -0.5
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    dev = lambda z: z.to(device, dtype if z.is_floating_point() else z.dtype)  # noqa: E731
+    got = expert_gemv(dev(x), dev(gate_up), dev(idx.reshape(-1)), k).float().cpu()
+    want = ref_expert_gemv(x, gate_up, idx.reshape(-1), k)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= tol, f"expert GEMV: {err:.2e}"
+    loop = Experts.__new__(Experts)
+    torch.nn.Module.__init__(loop)
+    loop.gate_up_proj, loop.down_proj, loop.activation = gate_up, down, "gelu_pytorch_tanh"
+    want = loop.forward_loop(x, w, idx)
+    got = experts_decode(dev(x), dev(w), dev(idx), dev(gate_up), dev(down), "gelu_pytorch_tanh").float().cpu()
+    err2 = ((got - want).abs().max() / want.abs().max()).item()
+    assert err2 <= tol, f"decode experts against the loop: {err2:.2e}"
+    print(f"gemma4 expert GEMV: max relative error {err:.2e}; decode experts vs loop {err2:.2e} ({dtype})")
+
+
+def check_norm(dtype=torch.float32, device="cpu", tol=1e-5):
+    """The one-launch RMSNorm against its torch reference: scaled and unscaled, rows of any rank,
+    widths not a power of two."""
+    from ninfer_gemma4.gpu.norm import ref_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(8)
+    worst = 0.0
+    for shape, scaled in (((3, 96), True), ((5, 4, 48), True), ((2, 3, 40), False), ((1, 5376), True)):
+        x = (3 * torch.randn(*shape, generator=gen)).to(device, dtype)
+        w = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(device, dtype) if scaled else None
+        got, want = rms_norm(x, w, 1e-6).float().cpu(), ref_rms_norm(x, w, 1e-6).float().cpu()
+        err = float((got - want).abs().max() / want.abs().max())
+        worst = max(worst, err)
+        assert err <= tol, f"rms norm {shape}: {err:.2e}"
+    print(f"gemma4 rms norm: worst max relative error {worst:.2e} ({dtype})")
+
+
+def interpreted():
+    check()
+    check_norm()
+    check_ring()
+    check_experts()
+
+
+def runner_interpret():
+    """The Gemma 4 runner with the interpreted kernel against its torch path, on both test shapes
+    (sliding + global, shared KV, K=V): a batch of 3 prefills (one crossing the window), chunks of 7
+    across it, then batched decode steps past it."""
+    import tempfile
+
+    import ninfer_gemma4.attention as attention
+    import ninfer_gemma4.layers as layers
+    from ninfer_gemma4.family import Gemma4Family
+
+    layers._use_kernels = lambda x: False  # the norm kernel has its own check (check_norm); interpreted it is slow
+    from ninfer_gemma4.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment, RunnerOptions
+
+    ids = [int(x) for x in torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(3))]
+    kernel = attention.use_triton
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, kind in enumerate(("e2b", "26b-a4b")):
+            runner = Gemma4Family().load(Artifact.open(build_tiny_artifact(f"{tmp}/{kind}.ninfer", kind=kind,
+                                                                           seed=seed + 1, window=20)))
+            groups = runner.cache_spec().group_names
+
+            def run(use, runner=runner, groups=groups):
+                attention.use_triton = use
+                runner.free_cache()
+                # forwards of at most 16 new tokens: a ring of 3 pages that wraps, the 45-token prompt split
+                runner.configure(RunnerOptions(max_segment_tokens=16))
+                runner.allocate_cache(24, 3, page_size=16)
+                tab = {i: {g: list(range(i * 8, i * 8 + 8)) for g in groups} for i in range(3)}
+                prompts = [ids[:45], ids[5:12], ids[20:27]]
+                outs = [o.logits for o in runner.forward(ForwardBatch(
+                    [LaneSegment(i, tab[i], 0, p, logits=LOGITS_ALL) for i, p in enumerate(prompts)]))]
+                lens = [len(p) for p in prompts]
+                for s in range(0, 14, 7):  # lanes 1 and 2 continue in chunks of 7 past the window
+                    outs += [o.logits for o in runner.forward(ForwardBatch(
+                        [LaneSegment(i, tab[i], lens[i] + s, ids[30 + s: 37 + s], logits=LOGITS_ALL) for i in (1, 2)]))]
+                lens = [lens[0], lens[1] + 14, lens[2] + 14]
+                for step in range(3):
+                    outs += [o.logits for o in runner.forward(ForwardBatch(
+                        [LaneSegment(i, tab[i], lens[i] + step, [ids[50 + step]], DECODE) for i in range(3)]))]
+                return outs
+
+            try:
+                want = run(lambda t: False)
+                got = run(kernel)
+            finally:
+                attention.use_triton = kernel
+            for a, b in zip(got, want):
+                err = float((a - b).abs().max() / b.abs().max())
+                worst = max(worst, err)
+                assert err <= 1e-4, f"{kind}: runner with the kernel differs by {err:.2e}"
+    print(f"gemma4 runner with interpreted kernels: worst max relative logits error {worst:.2e}")
+
+
+def graph_body_interpret():
+    """The CUDA-Graph decode body (device buffers for tokens, positions, write rows, tables, tiles)
+    run eagerly under the interpreter equals the eager decode, for 1 and 3 lanes past the window,
+    the ring wrapping (both test shapes, MoE included)."""
+    import tempfile
+
+    import ninfer_gemma4.layers as layers
+    from ninfer_gemma4.family import Gemma4Family
+    from ninfer_gemma4.gpu.graphs import DecodeGraphs
+
+    layers._use_kernels = lambda x: False  # as in runner_interpret
+    from ninfer_gemma4.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import DECODE, ForwardBatch, LaneSegment, RunnerOptions
+
+    ids = [int(x) for x in torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(5))]
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, kind in enumerate(("e2b", "26b-a4b")):
+            runner = Gemma4Family().load(Artifact.open(build_tiny_artifact(f"{tmp}/{kind}.ninfer", kind=kind,
+                                                                           seed=seed + 1, window=20)))
+            runner.configure(RunnerOptions(max_segment_tokens=16, cuda_graph=False))
+            runner.allocate_cache(24, 3, page_size=16)
+            groups = runner.cache_spec().group_names
+            tab = {i: {g: list(range(i * 8, i * 8 + 8)) for g in groups} for i in range(3)}
+            lens = [41, 23, 30]
+            runner.forward(ForwardBatch([LaneSegment(i, tab[i], 0, ids[i: i + n]) for i, n in enumerate(lens)]))
+            graphs = DecodeGraphs(runner)
+            for width in (1, 3):
+                for step in range(2):
+                    segs = [LaneSegment(i, tab[i], lens[i] + step, [ids[40 + i + step]], DECODE) for i in range(width)]
+                    logits, _ = graphs.eager(segs)
+                    got = logits[:width].clone()
+                    want = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))])
+                    err = float((got - want).abs().max() / want.abs().max())
+                    worst = max(worst, err)
+                    assert err <= 1e-4, f"{kind}: graph body differs by {err:.2e} at width {width}"
+                lens = [n + 2 if i < width else n for i, n in enumerate(lens)]
+    print(f"gemma4 graph decode body under the interpreter: worst max relative logits error {worst:.2e}")
