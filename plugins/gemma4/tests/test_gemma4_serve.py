@@ -139,3 +139,35 @@ def test_bad_tool_choice_is_refused_and_server_keeps_serving(client):
     assert e.value.status_code == 400
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_pool_and_state_slots_count_real_bytes(server, gemma_artifacts):
+    """The pool holds the global layers' K/V only and each lane's state slot the sliding layers'
+    ring (window + the --prefill-chunk of 16, in pages): the engine's startup line states both
+    sizes, /v1/load the pool's tokens, the context cache's state images are rings of that size."""
+    import re
+
+    from ninfer_gemma4.family import Gemma4Family
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import RunnerOptions
+
+    load = httpx.get(server.base_url + "/v1/load", timeout=30).json()["capacity"]
+    page, pages = load["kv_page_tokens"], load["kv_capacity_pages"]
+    runner = Gemma4Family().load(Artifact.open(gemma_artifacts["e2b"]))
+    runner.configure(RunnerOptions(max_segment_tokens=16))
+    runner.page_size = page
+    spec = runner.cache_spec()
+    (group,) = spec.kv_groups
+    assert group.name == "global" and load["kv_capacity_tokens"] == pages * page
+    ring_tokens = -(-(16 + runner.cfg.sliding_window - 1) // page) * page
+    assert spec.state_bytes == ring_tokens * runner._ring_bytes_per_token() > 0
+    m = re.search(r"engine: (\d+) lanes, KV pool (\d+) pages x (\d+) tokens \(([\d.]+) MiB\), (\d+) state slots "
+                  r"\(([\d.]+) MiB\)", server.log())
+    assert m, server.log()[-2000:]
+    lanes = int(m.group(1))
+    assert (int(m.group(2)), int(m.group(3))) == (pages, page)
+    assert float(m.group(4)) == round(pages * page * spec.kv_bytes_per_token / 2**20, 1)
+    assert float(m.group(6)) == round(lanes * spec.state_bytes / 2**20, 1)
+    stats = httpx.get(server.base_url + "/stats", timeout=30).json()
+    assert stats["context_cache"]["state_image_bytes"] == spec.state_bytes
