@@ -67,9 +67,7 @@ class RouterBackend:
 
         loader.on_engine_failure = failed
         loader.run()  # this thread: the manager runs loads off the event loop
-        residency = Residency(loader.engine, auto_resume=not getattr(slot.args, "no_auto_resume", False),
-                              snapshot=getattr(slot.args, "suspend_snapshot", "pageable")
-                              if getattr(slot.args, "model_suspend", False) else "pageable") \
+        residency = Residency.from_args(loader.engine, slot.args, prepared.artifact) \
             if loader.engine is not None else None
         loaded = Loaded(ctx, app, loader, residency)
         if ctx.load_error:

@@ -41,9 +41,7 @@ class SingleBackend:
                 stop_loaded(Loaded(ctx, None, loader, None))
                 raise RuntimeError(ctx.load_error)
         slot.template_source = loader
-        residency = Residency(loader.engine, auto_resume=not getattr(self.args, "no_auto_resume", False),
-                              snapshot=getattr(self.args, "suspend_snapshot", "pageable")
-                              if getattr(self.args, "model_suspend", False) else "pageable")
+        residency = Residency.from_args(loader.engine, self.args, loader.artifact)
         ctx.residency = residency
         return Loaded(ctx, None, loader, residency)
 

@@ -173,8 +173,12 @@ def test_sleep_keeps_prefix_reuse_and_gives_memory_back(router):
     assert chat(s.base_url, "tiny-b").status_code == 200  # tiny-a sleeps to make room
     asleep = _residency(s.base_url, "tiny-a")
     assert asleep["state"] == "suspended" and asleep["device_bytes"] == 0
-    assert asleep["host_snapshot_bytes"] == resident["releasable_device_bytes"] > 0
-    assert asleep["last_suspend"]["weight_bytes"] > 0 and asleep["last_suspend"]["state_bytes"] > 0
+    # --suspend-weights artifact (the default): the weights are not copied, the resume reads them
+    # again from the artifact; of the KV pool only the pages in use are kept
+    assert resident["suspend_weights"] == "artifact"
+    assert 0 < asleep["host_snapshot_bytes"] < resident["releasable_device_bytes"] // 4
+    assert asleep["last_suspend"]["state_bytes"] > 0
+    assert asleep["last_suspend"]["weight_bytes"] < asleep["last_suspend"]["state_bytes"]  # tables computed at load
     assert status(s.base_url)["tiny-a"]["status"]["value"] == "sleeping"
     # read-only routes report it as it is and do not wake it
     props = httpx.get(s.base_url + "/props", params={"model": "tiny-a"}).json()
@@ -187,7 +191,25 @@ def test_sleep_keeps_prefix_reuse_and_gives_memory_back(router):
     back = _residency(s.base_url, "tiny-a")
     assert back["state"] == "resident" and back["device_bytes"] == resident["device_bytes"]
     assert back["resume_count"] == 1 and back["host_snapshot_bytes"] == 0
+    assert back["last_resume"]["artifact_read_bytes"] > 0
     assert status(s.base_url)["tiny-b"]["status"]["value"] == "sleeping"
+
+
+def test_sleep_with_the_weights_on_the_host(router):
+    s = router("--models-max", "1", "--model-suspend", "--suspend-weights", "host")
+    before = chat(s.base_url, "tiny-a", max_tokens=6).json()
+    resident = _residency(s.base_url, "tiny-a")
+    assert resident["suspend_weights"] == "host"
+    assert chat(s.base_url, "tiny-b").status_code == 200  # tiny-a sleeps to make room
+    asleep = _residency(s.base_url, "tiny-a")
+    assert asleep["state"] == "suspended"
+    weights = asleep["last_suspend"]["weight_bytes"]
+    assert weights > resident["releasable_device_bytes"] // 2  # the weights are most of the model
+    assert asleep["host_snapshot_bytes"] == weights + asleep["last_suspend"]["state_bytes"]
+    again = chat(s.base_url, "tiny-a", max_tokens=6).json()
+    assert again["choices"][0]["message"] == before["choices"][0]["message"]
+    back = _residency(s.base_url, "tiny-a")
+    assert back["last_resume"]["artifact_read_bytes"] == 0 and back["last_resume"]["weight_bytes"] == weights
 
 
 def test_suspend_and_resume_routes(router):
