@@ -34,7 +34,8 @@ class SingleBackend:
             old = slot.template_source
             artifact = Artifact.open(old.artifact.path)
             ctx.load_error = None
-            loader = Loader(ctx, artifact, old.family_reg, old.template, old.spec_reg)
+            # the console too: a model loaded again keeps the stats line the server started with
+            loader = Loader(ctx, artifact, old.family_reg, old.template, old.spec_reg, console=old.console)
             loader.on_engine_failure = old.on_engine_failure
             loader.run()
             if ctx.load_error:
