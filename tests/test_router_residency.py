@@ -210,3 +210,18 @@ def test_owned_storages_mark_page_tensors_only_when_the_runner_lists_them():
     by_ptr = {storage_key(h.storage): h for h in owned_storages(eng)}
     assert by_ptr[storage_key(runner.kv.untyped_storage())].paged is runner.kv
     assert by_ptr[storage_key(runner.state.untyped_storage())].paged is None
+
+
+def test_a_listed_tensor_that_is_not_one_row_per_page_is_copied_whole():
+    runner = ToyRunner()
+    eng = start(runner, ToyTokenizer(), kv_capacity=8 * 64)
+    scale = torch.ones(3)  # shorter than the pool: not a page tensor, whatever the runner says
+    runner.extra_scale = scale
+    runner.kv_page_tensors = lambda: (runner.kv, scale)
+    run(eng, list(range(1, 100)))
+    by_ptr = {storage_key(h.storage): h for h in owned_storages(eng)}
+    assert by_ptr[storage_key(scale.untyped_storage())].paged is None
+    res = Residency(eng, weights="host")
+    res.suspend()
+    res.resume()
+    assert torch.equal(scale, torch.ones(3))

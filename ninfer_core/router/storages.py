@@ -75,14 +75,15 @@ def _model_object(obj: Any) -> bool:
         not callable(getattr(obj, "__func__", None))
 
 
-def _page_tensors(runner: Any) -> dict[int, Any]:
-    """storage key -> the runner's KV page tensor over exactly that storage."""
+def _page_tensors(runner: Any, pages: int) -> dict[int, Any]:
+    """storage key -> the runner's KV page tensor over exactly that storage. A listed tensor that is
+    not one row per page of the pool (a per-layer scale, say) is copied whole like any other."""
     get = getattr(runner, "kv_page_tensors", None)
     tensors = get() if callable(get) else ()
     out = {}
     for t in tensors or ():
         st = t.untyped_storage()
-        if t.dim() >= 1 and t.is_contiguous() and t.storage_offset() == 0 and \
+        if t.dim() >= 1 and t.shape[0] >= pages > 0 and t.is_contiguous() and t.storage_offset() == 0 and \
                 st.nbytes() == t.numel() * t.element_size():
             out[storage_key(st)] = t
     return out
@@ -92,7 +93,7 @@ def owned_storages(engine: Any) -> list[Held]:
     """The distinct device storages of the engine's model (deduplicated across views)."""
     device = getattr(engine.runner, "device", None)
     dev_type = getattr(device, "type", str(device or "cpu"))
-    paged = _page_tensors(engine.runner)
+    paged = _page_tensors(engine.runner, int(getattr(engine, "pool_pages", 0) or 0))
     found: dict[int, Held] = {}
     for t, weight in walk_roots([engine.runner, getattr(engine, "spec", None)]):
         if t.device.type != dev_type or t.is_sparse or t.is_meta:
