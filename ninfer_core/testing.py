@@ -159,6 +159,9 @@ class ToyRunner(ModelRunner):
         self.kv = self.state = None
         self._uncommitted = {}
 
+    def kv_page_tensors(self) -> tuple:
+        return (self.kv,) if self.kv is not None else ()
+
     def reset_slot(self, slot: int) -> None:
         self._uncommitted.pop(slot, None)
         self.state[slot] = 0

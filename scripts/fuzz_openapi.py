@@ -100,11 +100,9 @@ def main() -> int:
     # --slot-save-path: POST /slots/{id} runs (without it every call is the spec's 501, a 5xx)
     slots = out / "slots"
     slots.mkdir(exist_ok=True)
-    # --kv-capacity twice the context: with a pool of exactly one context, a request whose output
-    # limit is -1 (the derived budget: the whole pool) waits until its pending timeout behind the
-    # pages an idle retained conversation holds (a known admission bug, see the 2026-12-02 note)
-    proc, base = start_server(a.artifact, ["--max-context", str(a.max_context), "--kv-capacity", str(2 * a.max_context),
-                                           "--max-pending-requests", "64",
+    # the pool is exactly one context: a request whose output limit is -1 (the derived budget, the
+    # whole pool) is admitted only once the pressure planner makes room past retained conversations
+    proc, base = start_server(a.artifact, ["--max-context", str(a.max_context), "--max-pending-requests", "64",
                                            "--default-max-tokens", "8", "--slot-save-path", str(slots)], log_path)
     ndjson = out / "events.ndjson"
     t0 = time.monotonic()

@@ -109,3 +109,40 @@ def test_a_full_host_tier_makes_room_by_dropping_its_cheapest_resident():
     plan = Planner(items, ext, host_free_pages=0).plan(need_pages=4)
     assert plan.demote == ["big"] and plan.drop == ["stale"]
     assert plan.cost == pytest.approx(200 + 3000 * HOST_RESUME_COST)
+
+
+def test_a_page_shared_across_owners_is_freed_by_removing_all_its_holders():
+    # The admission deadlock of a one-context pool (8 pages, --max-context 512): conversation 0
+    # keeps a turn closure "c0" (8 tokens) and an endpoint "e0" (20 tokens, its own page);
+    # conversation 1 resumed from c0 and keeps "c1" (13 tokens), whose tokens share c0's page. A
+    # request needing the whole pool must free both pages. No single checkpoint nor one owner's
+    # group frees the shared page, so the greedy search used to stall and answer None: the
+    # request waited its whole pending timeout behind idle conversations.
+    items = [Item("e0", 20, parents=(("c0", 8), ("c1", 13)), owner="conv0", host_image=True),
+             Item("c0", 8, owner="conv0", host_image=True),
+             Item("c1", 13, parents=(("c0", 8),), owner="conv1")]
+    ext = [pages("e0"), pages("c0", "c1")]
+    planner = Planner(items, ext, host_free_pages=1000)
+    plan = planner.plan(need_pages=2)
+    assert plan is not None and plan.freed_pages == 2 and not plan.maximal_fallback
+    # Host has room: the conversations are demoted (cheaper than rebuilding them), not evicted.
+    assert plan.drop == [] and sorted(plan.demote) == ["c0", "c1", "e0"]
+    assert plan.cost == pytest.approx((20 + 8 + 13) * HOST_RESUME_COST)
+    # Without Host room they are evicted, every holder of the shared page with them.
+    plan = Planner(items, ext, host_free_pages=0).plan(need_pages=2)
+    assert plan is not None and sorted(plan.drop) == ["c0", "c1", "e0"] and plan.freed_pages == 2
+    # One page is one checkpoint's own: only it goes.
+    plan = Planner(items, ext, host_free_pages=0).plan(need_pages=1)
+    assert plan.drop == ["e0"]
+
+
+def test_a_search_with_no_step_that_frees_more_falls_back_to_the_maximal_plan(monkeypatch):
+    # Liveness: whenever every evictable checkpoint together covers the need, a plan is returned,
+    # even if the greedy steps on offer cannot reach it.
+    items = [Item("a", 100, owner="x"), Item("b", 100, owner="y")]
+    ext = [pages("a", "b")]
+    planner = Planner(items, ext)
+    monkeypatch.setattr(planner, "_actions", lambda pages: [("drop", frozenset({"a"})), ("drop", frozenset({"b"}))])
+    plan = planner.plan(need_pages=1)
+    assert plan is not None and plan.maximal_fallback and sorted(plan.drop) == ["a", "b"]
+    assert planner.last.maximal_fallback

@@ -72,6 +72,7 @@ BAD = [
     (["--top-k", "21"], "--top-k"), (["--post-thinking-sampler", "temp=3"], "--post-thinking-sampler"),
     (["--log-colours", "maybe"], "--log-colours"), (["--metrics-compat", "tgi"], "--metrics-compat"),
     (["--seed", str(2**64)], "--seed"), (["--suspend-snapshot", "locked"], "--suspend-snapshot"),
+    (["--suspend-weights", "disk"], "--suspend-weights"),
 ]
 
 

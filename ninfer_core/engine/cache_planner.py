@@ -17,7 +17,8 @@ The model of cost:
 A plan frees what the request needs (Device KV pages, Host StateImage slots) at the least total
 cost: a greedy choice by marginal cost per marginal unit freed, over single checkpoints and whole
 owners (a page shared by several checkpoints is freed only when all of them go, which no single
-choice shows), followed by dropping every choice the others make redundant. Pages held by anything
+choice shows; the holders of such a page, of one owner or several, form a choice of their own),
+followed by dropping every choice the others make redundant. Pages held by anything
 outside the plan (a running request, a checkpoint that is not a candidate) are never counted as
 freed, so the plan never evicts something that frees nothing.
 
@@ -214,7 +215,10 @@ class Planner:
                 if best is None or score < best[0]:
                     best = (score, nd, nm)
             if best is None:
-                return None
+                # Every evictable checkpoint together covers the need (checked above) but no
+                # action adds to what the plan frees: fall back to the maximal plan rather than
+                # leave the request waiting for pages that retained checkpoints hold forever.
+                return self._maximal(progress, target, limit, keep)
             _, drop, demote = best
             cost = self.cost(drop, demote)
             done = progress(drop, demote)
@@ -290,12 +294,20 @@ class Planner:
                 acts.append(("demote", frozenset((k,))))
             if it.owner is not None:
                 owners.setdefault(it.owner, set()).add(k)
-        for keys in owners.values():
-            if len(keys) > 1:
-                acts.append(("drop", frozenset(keys)))
-                dev = frozenset(k for k in keys if self.items[k].on_device)
-                if pages and len(dev) > 1:
-                    acts.append(("demote", dev))
+        groups = [frozenset(keys) for keys in owners.values() if len(keys) > 1]
+        if pages:
+            # A Device page held by checkpoints of several owners (a conversation that resumed from
+            # another's turn closure shares its tail page) is freed only when all of them go, which
+            # neither a single checkpoint nor one owner's group shows: its holders form a choice.
+            for e in self.extents:
+                keys = frozenset(k for k in e.holders if k in self.items)
+                if not e.host and not e.pinned and len(keys) > 1 and keys == e.holders:
+                    groups.append(keys)
+        for keys in dict.fromkeys(groups):
+            acts.append(("drop", keys))
+            dev = frozenset(k for k in keys if self.items[k].on_device)
+            if pages and len(dev) > 1:
+                acts.append(("demote", dev))
         return acts
 
 

@@ -254,6 +254,12 @@ class ModelRunner(ABC):
         """Copy one state slot into another (a Device checkpoint's StateImage to a lane, and back)."""
         raise NotImplementedError
 
+    def kv_page_tensors(self) -> tuple:
+        """Optional: every cache tensor indexed by KV page id on its first dimension (each over a
+        storage of its own). A model suspend then copies only the pages in use; the others read as
+        zeros after the resume. Empty (the default): the cache is copied whole."""
+        return ()
+
     # -- context cache (optional; a runner without these serves every request from root) ---------
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page of every KV group (copy-on-write of a checkpoint's tail page)."""

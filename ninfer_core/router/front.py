@@ -4,8 +4,12 @@ A POST names its model in the JSON body's `model`, a GET in the `model` query pa
 /v1/models/{id}... in the path); a request that names none gets the most recently used loaded
 model. Which requests may load or wake a model (spec "Several models (router)"):
 - generation and session routes (every other POST) load an unloaded model and wake a sleeping one;
-- host-side routes (tokenize, detokenize, apply-template, token counts) need the model's
-  tokenizer: they load an unloaded model but run on a sleeping one without waking it;
+- host-side routes (tokenize, detokenize, apply-template) need the model's tokenizer: they load
+  an unloaded model but run on a sleeping one without waking it (the spec's list);
+- token counts (Anthropic count_tokens, the input_tokens routes) run the generation path's
+  preparation and count as generation requests: they wake a sleeping model, as llama.cpp's
+  test_server_sleep_token_counting_wake expects and as the spec, which exempts only the three
+  routes above, implies;
 - reads (GET) never load or wake: they report a sleeping model as it is, and an unloaded model
   is 503 model_not_loaded.
 Only routed requests count as use (LRU order, idle timers); reads do not keep a model awake.
@@ -26,9 +30,7 @@ from ninfer_core.router.manager import ModelManager
 from ninfer_core.router.slots import LOADED, SLEEPING, ModelSlot
 from ninfer_core.server.errors import RequestTooLarge, shaped_error_response
 
-HOST_ONLY = {"/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens",
-             "/v1/responses/input_tokens", "/responses/input_tokens", "/v1/chat/completions/input_tokens",
-             "/chat/completions/input_tokens"}
+HOST_ONLY = {"/tokenize", "/detokenize", "/apply-template"}
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 

@@ -31,6 +31,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "after the resume; pinned: a page-locked block that size is reserved at load and kept "
                         "(transfers at bus speed, that much host memory for the life of the model; CUDA) "
                         "(default: pageable)")
+    g.add_argument("--suspend-weights", choices=("artifact", "host"), default="artifact",
+                   help="artifact: a suspended model's weights leave device memory and a resume reads them again "
+                        "from the artifact, which stays open (a weight it cannot give back byte for byte is kept "
+                        "on the host); host: a suspend copies the weights to host memory, in the snapshot "
+                        "(as much host memory as the weights, resume at bus speed) (default: artifact)")
     g.add_argument("--no-auto-resume", action="store_true",
                    help="a suspended model is not resumed by the next request, which fails with 503")
     g.add_argument("--sleep-idle-seconds", type=integer(1), default=None, metavar="N",

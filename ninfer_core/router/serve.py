@@ -17,6 +17,7 @@ from typing import Any
 from ninfer_core.router.catalog import CatalogError, build_catalog, model_arguments
 from ninfer_core.router.manager import ModelManager
 from ninfer_core.router.prepare import PrepareError, model_options, prepare
+from ninfer_core.router.reporting import check_model_logs, open_model_log, start_stats
 from ninfer_core.router.residency import Residency
 from ninfer_core.router.slots import Loaded, ModelSlot, stop_loaded
 
@@ -37,8 +38,9 @@ def check_suspend(options: Any, device: str) -> None:
 class RouterBackend:
     """Loads a catalog model into its own ServerContext and app."""
 
-    def __init__(self, host: Any):
+    def __init__(self, host: Any, console: Any = None):
         self.host = host
+        self.console = console  # the router's: each model's stats line (reporting.py)
         self.manager: ModelManager | None = None
 
     def load(self, slot: ModelSlot) -> Loaded:
@@ -50,12 +52,13 @@ class RouterBackend:
         # the listener, key and CORS are the router's; the model answers to its catalog names
         options.api_key, options.cors, options.cors_origins = None, False, None
         options.model_id, options.aliases = slot.name, list(slot.aliases)
-        options.request_log_jsonl, options.no_webui, options.webui_dir = None, True, None
+        options.no_webui, options.webui_dir = True, None
         options._model_suspend = slot.model_suspend
         check_suspend(options, resolve_device(options.engine.device))
         prepared = prepare(options, self.host)
         ctx = ServerContext(options=options, plugins=self.host)
         ctx.webui = None
+        ctx.request_log = open_model_log(options, slot.name)  # before the app: its middleware marks requests
         app = create_app(ctx)
         loader = Loader(ctx, prepared.artifact, prepared.family_reg, prepared.template, prepared.spec_reg)
         manager = self.manager
@@ -67,15 +70,14 @@ class RouterBackend:
 
         loader.on_engine_failure = failed
         loader.run()  # this thread: the manager runs loads off the event loop
-        residency = Residency(loader.engine, auto_resume=not getattr(slot.args, "no_auto_resume", False),
-                              snapshot=getattr(slot.args, "suspend_snapshot", "pageable")
-                              if getattr(slot.args, "model_suspend", False) else "pageable") \
+        residency = Residency.from_args(loader.engine, slot.args, prepared.artifact) \
             if loader.engine is not None else None
         loaded = Loaded(ctx, app, loader, residency)
         if ctx.load_error:
             stop_loaded(loaded)
             raise PrepareError(ctx.load_error)
         ctx.residency = residency
+        start_stats(loader, options, self.console, slot.name)
         return loaded
 
     def unload(self, slot: ModelSlot, loaded: Loaded) -> None:
@@ -121,6 +123,10 @@ def build_slots(args: Any, host: Any, backend: Any) -> list[ModelSlot]:
         model_options(ns, host)  # refuses a bad combination now, not at the model's first request
         slots.append(ModelSlot(e.name, e.aliases, e.path, ns, backend))
         slots[-1].load_on_startup = e.load_on_startup
+    try:
+        check_model_logs(slots)
+    except ValueError as e:
+        raise CatalogError(str(e)) from None
     return slots
 
 
@@ -147,7 +153,7 @@ def run_router(args: Any, host: Any) -> int:
     control.install()
     try:
         host.load()
-        backend = RouterBackend(host)
+        backend = RouterBackend(host, console)
         slots = build_slots(args, host, backend)
     except (CatalogError, PrepareError, PluginError) as e:
         return _fail(str(e))
@@ -169,6 +175,10 @@ def run_router(args: Any, host: Any) -> int:
              announce(hosts[0], port))
     log.info("router: %d models (%s), at most %s loaded at once", len(slots), ", ".join(s.name for s in slots),
              args.models_max or "any number")
+    for flag, given in (("--stats-port", options.stats_port is not None), ("--log-stats-panel", options.log_stats_panel)):
+        if given:  # docs/router.md: one engine's listener and panel; a router has several engines
+            log.warning("%s is a single-model option: a router ignores it (each model's /stats, /v1/load and "
+                        "/metrics answer on the main port with ?model=)", flag)
     level = options.log_level if options.log_level in ("debug", "warning", "error", "critical") else "warning"
     config = uvicorn.Config(app, log_level=level, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
                             timeout_keep_alive=30)

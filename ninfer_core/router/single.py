@@ -34,16 +34,15 @@ class SingleBackend:
             old = slot.template_source
             artifact = Artifact.open(old.artifact.path)
             ctx.load_error = None
-            loader = Loader(ctx, artifact, old.family_reg, old.template, old.spec_reg)
+            # the console too: a model loaded again keeps the stats line the server started with
+            loader = Loader(ctx, artifact, old.family_reg, old.template, old.spec_reg, console=old.console)
             loader.on_engine_failure = old.on_engine_failure
             loader.run()
             if ctx.load_error:
                 stop_loaded(Loaded(ctx, None, loader, None))
                 raise RuntimeError(ctx.load_error)
         slot.template_source = loader
-        residency = Residency(loader.engine, auto_resume=not getattr(self.args, "no_auto_resume", False),
-                              snapshot=getattr(self.args, "suspend_snapshot", "pageable")
-                              if getattr(self.args, "model_suspend", False) else "pageable")
+        residency = Residency.from_args(loader.engine, self.args, loader.artifact)
         ctx.residency = residency
         return Loaded(ctx, None, loader, residency)
 

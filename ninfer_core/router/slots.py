@@ -115,6 +115,10 @@ def stop_loaded(loaded: Loaded) -> None:
     loader.stopping.set()
     if loader.stats is not None:
         loader.stats.stop()
+        try:
+            loader.stats.report()  # the last partial interval: a model unloaded early still shows its work
+        except Exception as e:  # noqa: BLE001 - unloading regardless
+            log.debug("stats line at unload: %s", e)
     if loader.engine is not None:
         try:
             loader.engine.shutdown()
@@ -125,6 +129,8 @@ def stop_loaded(loaded: Loaded) -> None:
     ctx = loaded.ctx
     if ctx.structured is not None and hasattr(ctx.structured, "close"):
         ctx.structured.close()
+    if loaded.app is not None and ctx.request_log is not None:  # a router model's own log (router/reporting.py)
+        ctx.request_log.close()
     artifact = getattr(loader, "artifact", None)
     if artifact is not None and hasattr(artifact, "close"):
         artifact.close()

@@ -121,8 +121,9 @@ class StatsReporter:
     """Every `interval_s`, one `stats |` line with the interval's activity (idle intervals are
     skipped), and the panel's totals refreshed."""
 
-    def __init__(self, engine: Any, interval_s: float, console: Console):
+    def __init__(self, engine: Any, interval_s: float, console: Console, label: str | None = None):
         self.engine, self.interval_s, self.console = engine, interval_s, console
+        self.label = label  # a router's model name: `stats NAME | ...`
         self.log = logging.getLogger("ninfer.stats")
         self._stop = threading.Event()
         self._prev = _counters(self._snap())
@@ -160,7 +161,7 @@ class StatsReporter:
             return None
         fields = stats_fields(d, snap, seconds)
         colours = self.console.colours
-        text = "stats | " + ", ".join(
+        text = ("stats | " if self.label is None else f"stats {self.label} | ") + ", ".join(
             f"{k} {STAT_COLOURS.get(k, '')}{v}{RESET}" if colours else f"{k} {v}" for k, v in fields)
         self.log.info("%s", text)
         return text

@@ -74,9 +74,11 @@ EXPECTED_FAILURES = {
         "is and ninfer:uptime_seconds keeps counting (every llamacpp: series is unchanged)",
     SLEEP + "test_server_sleep_metrics_buckets":
         "llamacpp:predicted_tokens_seconds is the spec's decoded tokens over decode seconds since startup, not "
-        "llama.cpp's window since the last scrape; and /tokenize runs on the host without waking the model",
+        "llama.cpp's window since the last scrape; and /tokenize runs on the host without waking the model (the "
+        "spec: 'The tokenizer endpoints answer from the host, so they do not wake a sleeping model')",
     SLEEP + "test_server_sleep_token_counting_wake":
-        "token counts run on the host (like /tokenize in the spec) and do not wake a sleeping model",
+        "the two input_tokens counts wake the model and pass; the third, POST /v1/messages/count_tokens without a "
+        "'model' field, is 400 missing_required_parameter (param model): the Anthropic request requires it",
 }
 
 

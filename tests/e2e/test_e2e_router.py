@@ -173,8 +173,12 @@ def test_sleep_keeps_prefix_reuse_and_gives_memory_back(router):
     assert chat(s.base_url, "tiny-b").status_code == 200  # tiny-a sleeps to make room
     asleep = _residency(s.base_url, "tiny-a")
     assert asleep["state"] == "suspended" and asleep["device_bytes"] == 0
-    assert asleep["host_snapshot_bytes"] == resident["releasable_device_bytes"] > 0
-    assert asleep["last_suspend"]["weight_bytes"] > 0 and asleep["last_suspend"]["state_bytes"] > 0
+    # --suspend-weights artifact (the default): the weights are not copied, the resume reads them
+    # again from the artifact; of the KV pool only the pages in use are kept
+    assert resident["suspend_weights"] == "artifact"
+    assert 0 < asleep["host_snapshot_bytes"] < resident["releasable_device_bytes"] // 4
+    assert asleep["last_suspend"]["state_bytes"] > 0
+    assert asleep["last_suspend"]["weight_bytes"] < asleep["last_suspend"]["state_bytes"]  # tables computed at load
     assert status(s.base_url)["tiny-a"]["status"]["value"] == "sleeping"
     # read-only routes report it as it is and do not wake it
     props = httpx.get(s.base_url + "/props", params={"model": "tiny-a"}).json()
@@ -187,7 +191,31 @@ def test_sleep_keeps_prefix_reuse_and_gives_memory_back(router):
     back = _residency(s.base_url, "tiny-a")
     assert back["state"] == "resident" and back["device_bytes"] == resident["device_bytes"]
     assert back["resume_count"] == 1 and back["host_snapshot_bytes"] == 0
+    assert back["last_resume"]["artifact_read_bytes"] > 0
     assert status(s.base_url)["tiny-b"]["status"]["value"] == "sleeping"
+    # a token count is no host-side route: it wakes its model (llama.cpp's test_sleep expects it)
+    r = httpx.post(s.base_url + "/v1/messages/count_tokens", timeout=120,
+                   json={"model": "tiny-b", "messages": [{"role": "user", "content": "Hello world"}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    assert status(s.base_url)["tiny-b"]["status"]["value"] == "loaded"
+    assert status(s.base_url)["tiny-a"]["status"]["value"] == "sleeping"
+
+
+def test_sleep_with_the_weights_on_the_host(router):
+    s = router("--models-max", "1", "--model-suspend", "--suspend-weights", "host")
+    before = chat(s.base_url, "tiny-a", max_tokens=6).json()
+    resident = _residency(s.base_url, "tiny-a")
+    assert resident["suspend_weights"] == "host"
+    assert chat(s.base_url, "tiny-b").status_code == 200  # tiny-a sleeps to make room
+    asleep = _residency(s.base_url, "tiny-a")
+    assert asleep["state"] == "suspended"
+    weights = asleep["last_suspend"]["weight_bytes"]
+    assert weights > resident["releasable_device_bytes"] // 2  # the weights are most of the model
+    assert asleep["host_snapshot_bytes"] == weights + asleep["last_suspend"]["state_bytes"]
+    again = chat(s.base_url, "tiny-a", max_tokens=6).json()
+    assert again["choices"][0]["message"] == before["choices"][0]["message"]
+    back = _residency(s.base_url, "tiny-a")
+    assert back["last_resume"]["artifact_read_bytes"] == 0 and back["last_resume"]["weight_bytes"] == weights
 
 
 def test_suspend_and_resume_routes(router):
@@ -428,3 +456,34 @@ def test_oversized_chunked_body_is_413(router):
     assert r.status_code == 413 and err(r)["code"] == "request_too_large"
     assert status(s.base_url)["tiny-a"]["status"]["value"] == "unloaded"  # nothing loaded for it
     _still_serves(s.base_url)
+
+
+def test_each_model_writes_its_own_request_log_and_stats_line(router, tmp_path):
+    log_path = tmp_path / "requests.jsonl"
+    s = router("--models-max", "1", "--request-log-jsonl", str(log_path), "--log-stats-interval-ms", "200")
+    assert chat(s.base_url, "tiny-a").status_code == 200
+    assert chat(s.base_url, "tiny-b").status_code == 200  # tiny-a unloads: its file is closed
+    assert chat(s.base_url, "tiny-a").status_code == 200  # loaded again: appended, a new server_start
+    assert not log_path.exists()  # no shared file: one per model
+    records = {}
+    for name in ("tiny-a", "tiny-b"):
+        lines = (tmp_path / f"requests.{name}.jsonl").read_text().splitlines()
+        records[name] = [json.loads(line) for line in lines]
+        assert records[name][0]["event"] == "server_start"
+        text = "\n".join(lines)
+        assert "Say hello to the router" not in text  # no prompt in the log
+    a, b = records["tiny-a"], records["tiny-b"]
+    assert [r["event"] for r in a].count("server_start") == 2
+    assert [r["event"] for r in a].count("request_done") == 2 and [r["event"] for r in b].count("request_done") == 1
+    assert all(r["endpoint"] == "/v1/chat/completions" for r in a + b if r["event"] == "request_done")
+    deadline = time.monotonic() + 10
+    while "stats tiny-a | " not in s.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "stats tiny-a | " in s.log() and "stats tiny-b | " in s.log()
+
+
+def test_a_request_log_in_a_missing_directory_fails_startup(launch, tmp_path, models_dir):
+    with pytest.raises(RuntimeError) as e:
+        launch(None, "--models-dir", str(models_dir), "--request-log-jsonl", str(tmp_path / "nowhere" / "r.jsonl"),
+               log_dir=tmp_path)
+    assert "rc=1" in str(e.value) and "error: model " in str(e.value) and "does not exist" in str(e.value)

@@ -107,6 +107,10 @@ class Qwen35Runner(ModelRunner):
         self.cache = None
         self._uncommitted = {}
 
+    def kv_page_tensors(self) -> tuple:
+        """Every layer's K and V pages (a model suspend copies only the pages in use)."""
+        return tuple(t for kv in self.cache.kv.values() for t in kv) if self.cache is not None else ()
+
     def reset_slot(self, slot: int) -> None:
         self._check_slot(slot)
         self._uncommitted.pop(slot, None)
