@@ -143,6 +143,11 @@ class Gemma4Runner(ModelRunner):
         self.num_pages, self.num_slots = num_pages, num_slots
         self._uncommitted = {}
 
+    def kv_page_tensors(self) -> tuple:
+        """The global layers' K and V pages (a model suspend copies only the pages in use); the
+        sliding rings are state slots, copied whole."""
+        return tuple(t for i in self.cfg.kv_layers(GLOBAL) for t in self.kv[i]) if self.kv is not None else ()
+
     def _ring(self, slot: int):
         """The ring rows of `slot` in the sliding layers' tensors."""
         return slice(slot * self.ring_pages, (slot + 1) * self.ring_pages)

@@ -141,6 +141,9 @@ def test_cache_spec_counts_real_bytes(pair, seg):
     # the tensors allocated are exactly those bytes: pool pages for global, 4 ring slots for sliding
     held = sum(t.numel() * t.element_size() for kv in runner.kv.values() for t in kv)
     assert held == 48 * PS * spec.kv_bytes_per_token + 4 * spec.state_bytes
+    # a model suspend copies the pool's live pages only: the page tensors are the global layers'
+    pages = runner.kv_page_tensors()
+    assert len(pages) == 2 * len(glob) and all(t.shape[0] == 48 for t in pages)
 
 
 def test_ring_capture_restore_and_snapshot_resume_equal_recompute(pair):
