@@ -536,11 +536,10 @@ def run_bench(a: argparse.Namespace) -> int:
     print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:,.0f} GB/s, matmul {ceil['matmul_TFLOPs']:,.1f} TFLOP/s",
           flush=True)
     runner = family.load(art, device=str(device))
-    from ninfer_core.engine.model_api import RunnerOptions
-
     # forwards of at most the engine's default prefill chunk per lane, as `ninfer serve` runs them (a
     # runner whose per-lane cache depends on it, a sliding-window ring, splits longer prefills)
     from ninfer_core.config import EngineOptions
+    from ninfer_core.engine.model_api import RunnerOptions
 
     runner.configure(RunnerOptions(cuda_graph=not a.no_cuda_graph, max_lanes=max(a.decode_batches or [1]),
                                    max_segment_tokens=EngineOptions().prefill_chunk))

@@ -18,7 +18,7 @@ def gemma_artifacts(tmp_path_factory):
             for i, kind in enumerate(("e2b", "26b-a4b"))}
 
 
-from gemma4_test_support import plugin_flags  # noqa: E402,F401  (the tests import it from there)
+from gemma4_test_support import plugin_flags  # noqa: F401  (the tests import it from there)
 
 
 @pytest.fixture(scope="session")

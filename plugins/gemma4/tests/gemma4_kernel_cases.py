@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import torch
-
 from ninfer_gemma4.gpu.attention import paged_attention, ref_paged_attention, use_triton
 
 
@@ -137,7 +136,7 @@ def check_experts(dtype=torch.float32, device="cpu", tol=1e-4):
     down = torch.randn(e, hid, inter, generator=gen) * inter ** -0.5
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     w = torch.softmax(torch.randn(t, k, generator=gen), -1)
-    dev = lambda z: z.to(device, dtype if z.is_floating_point() else z.dtype)  # noqa: E731
+    dev = lambda z: z.to(device, dtype if z.is_floating_point() else z.dtype)
     got = expert_gemv(dev(x), dev(gate_up), dev(idx.reshape(-1)), k).float().cpu()
     want = ref_expert_gemv(x, gate_up, idx.reshape(-1), k)
     err = ((got - want).abs().max() / want.abs().max()).item()
@@ -182,8 +181,7 @@ def runner_interpret():
     across it, then batched decode steps past it."""
     import tempfile
 
-    import ninfer_gemma4.attention as attention
-    import ninfer_gemma4.layers as layers
+    from ninfer_gemma4 import attention, layers
     from ninfer_gemma4.family import Gemma4Family
 
     layers._use_kernels = lambda x: False  # the norm kernel has its own check (check_norm); interpreted it is slow
@@ -239,7 +237,7 @@ def graph_body_interpret():
     the ring wrapping (both test shapes, MoE included)."""
     import tempfile
 
-    import ninfer_gemma4.layers as layers
+    from ninfer_gemma4 import layers
     from ninfer_gemma4.family import Gemma4Family
     from ninfer_gemma4.gpu.graphs import DecodeGraphs
 

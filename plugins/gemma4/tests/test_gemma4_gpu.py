@@ -12,7 +12,6 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from ninfer_gemma4.shapes import REAL_WIDTHS  # noqa: E402  (widths of the published configs)
 
 TOL = 1e-2
 

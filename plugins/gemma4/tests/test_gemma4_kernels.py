@@ -15,7 +15,6 @@ HERE = os.path.dirname(__file__)
 
 def test_reference_matches_plain_attention_and_skips_pages_behind_the_window():
     from gemma4_kernel_cases import SHAPES, build, dense_attention
-
     from ninfer_gemma4.gpu.attention import ref_paged_attention
 
     for i, (starts, qlens, h, kvh, d, window, page) in enumerate(SHAPES):
@@ -32,7 +31,6 @@ def test_reference_matches_plain_attention_and_skips_pages_behind_the_window():
 def test_reference_matches_the_model_attention():
     """The kernel's reference and the CPU model's attention (ninfer_gemma4.attention) agree."""
     from gemma4_kernel_cases import build
-
     from ninfer_gemma4.attention import grouped_attention
     from ninfer_gemma4.gpu.attention import ref_paged_attention
 
@@ -45,35 +43,28 @@ def test_reference_matches_the_model_attention():
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_triton_kernel_matches_reference_under_the_interpreter():
+def interpreted(case: str) -> str:
+    """Run `gemma4_kernel_cases.<case>()` with TRITON_INTERPRET=1 (set before triton is imported,
+    hence a subprocess); its stdout."""
     pytest.importorskip("triton")
     path = os.pathsep.join([HERE, *sys.path])
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
-    code = "import gemma4_kernel_cases as c; c.interpreted()"
+    code = f"import gemma4_kernel_cases as c; c.{case}()"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "gemma4 paged attention: worst" in r.stdout and "gemma4 ring attention: worst" in r.stdout
-    assert "gemma4 expert GEMV" in r.stdout and "gemma4 rms norm: worst" in r.stdout
     print(r.stdout)
+    return r.stdout
+
+
+def test_triton_kernel_matches_reference_under_the_interpreter():
+    out = interpreted("interpreted")
+    assert "gemma4 paged attention: worst" in out and "gemma4 ring attention: worst" in out
+    assert "gemma4 expert GEMV" in out and "gemma4 rms norm: worst" in out
 
 
 def test_runner_with_the_interpreted_kernel_matches_its_torch_path():
-    pytest.importorskip("triton")
-    path = os.pathsep.join([HERE, *sys.path])
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
-    code = "import gemma4_kernel_cases as c; c.runner_interpret()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "worst max relative logits error" in r.stdout
-    print(r.stdout)
+    assert "worst max relative logits error" in interpreted("runner_interpret")
 
 
 def test_graph_decode_body_matches_the_eager_decode_under_the_interpreter():
-    pytest.importorskip("triton")
-    path = os.pathsep.join([HERE, *sys.path])
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
-    code = "import gemma4_kernel_cases as c; c.graph_body_interpret()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "graph decode body under the interpreter: worst" in r.stdout
-    print(r.stdout)
+    assert "graph decode body under the interpreter: worst" in interpreted("graph_body_interpret")

@@ -11,8 +11,15 @@ from ninfer_gemma4.family import Gemma4Family
 from ninfer_gemma4.testing import hf_model
 
 from ninfer_core.artifact import Artifact
-from ninfer_core.engine.model_api import (DECODE, LOGITS_ALL, VERIFY, ForwardBatch, LaneSegment, RunnerOptions,
-                                          SeqView)
+from ninfer_core.engine.model_api import (
+    DECODE,
+    LOGITS_ALL,
+    VERIFY,
+    ForwardBatch,
+    LaneSegment,
+    RunnerOptions,
+    SeqView,
+)
 
 TOL = 1e-4
 PS = 4  # small pages, so a window of 8 spans several

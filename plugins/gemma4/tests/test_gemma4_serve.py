@@ -9,7 +9,6 @@ import os
 
 import httpx
 import pytest
-
 from gemma4_test_support import plugin_flags
 
 pytest.importorskip("openai")
