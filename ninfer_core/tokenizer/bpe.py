@@ -40,6 +40,16 @@ def parse_ranks(text: str) -> dict[bytes, int]:
     return ranks
 
 
+def section_specials(section: dict, token_to_id) -> tuple[tuple[int, ...], str | None, str | None]:
+    """(eos ids in section order without repeats, pad token, bos token) of a tokenizer section."""
+    eos: list[int] = []
+    for text in section.get("eos_tokens") or []:
+        tid = token_to_id(text)
+        if tid is not None and tid not in eos:
+            eos.append(tid)
+    return tuple(eos), section.get("pad_token"), section.get("bos_token")
+
+
 def _build_encoding(ranks_text: str, pattern: str, added: tuple[tuple[str, int], ...]) -> tiktoken.Encoding:
     # Sections from the same artifact (or a packaged one) are loaded repeatedly by tests
     # and by the server; parsing 248k ranks costs ~0.3 s, so the built Encoding is shared.
@@ -86,14 +96,7 @@ class Tokenizer:
         if self._normalizer not in (None, "NFC"):
             raise TokenizerError(f"unsupported normalizer {self._normalizer!r}")
         self.vocab_size: int = self._enc.max_token_value + 1
-        eos = []
-        for text in section.get("eos_tokens") or []:
-            tid = self.token_to_id(text)
-            if tid is not None and tid not in eos:
-                eos.append(tid)
-        self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self.pad_token: str | None = section.get("pad_token")
-        self.bos_token: str | None = section.get("bos_token")
+        self.eos_token_ids, self.pad_token, self.bos_token = section_specials(section, self.token_to_id)
 
     @classmethod
     def from_section(cls, section: dict) -> "Tokenizer":

@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Iterable
 
-from ninfer_core.tokenizer.bpe import TokenizerError
+from ninfer_core.tokenizer.bpe import TokenizerError, section_specials
 
 SPACE_MARK = "\u2581"
 _BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -77,14 +77,7 @@ class JsonTokenizer:
                 continue
             m = _BYTE.match(piece)
             self._bytes[tid] = bytes([int(m.group(1), 16)]) if m else piece.replace(SPACE_MARK, " ").encode("utf-8")
-        eos = []
-        for t in section.get("eos_tokens") or []:
-            tid = self.token_to_id(t)
-            if tid is not None and tid not in eos:
-                eos.append(tid)
-        self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self.pad_token: str | None = section.get("pad_token")
-        self.bos_token: str | None = section.get("bos_token")
+        self.eos_token_ids, self.pad_token, self.bos_token = section_specials(section, self.token_to_id)
 
     @property
     def added_tokens(self) -> dict[str, int]:

@@ -14,6 +14,7 @@ import re
 
 import torch
 
+from ninfer_core.accel import resolve_dtype
 from ninfer_core.engine.model_api import ModelFamily
 from ninfer_gemma4.chat import GEMMA4_TEMPLATE
 from ninfer_gemma4.config import Gemma4Config
@@ -23,24 +24,8 @@ from ninfer_gemma4.runner import Gemma4Runner
 TEXT_PREFIXES = ("model.language_model.", "model.")
 MEDIA_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 _SHARED_KV = re.compile(r"^layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
-
-
 class LoadError(ValueError):
     """The artifact's tensors do not fit the model its config describes."""
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)") from None
 
 
 class Gemma4Family(ModelFamily):

@@ -13,6 +13,7 @@ import re
 
 import torch
 
+from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests and tools import it here)
 from ninfer_core.engine.model_api import ModelFamily
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
@@ -25,27 +26,8 @@ _PER_EXPERT = re.compile(
     r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
-}  # fmt: skip
-
-
 class LoadError(ValueError):
     """The artifact's tensors do not fit the model its config describes."""
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """None -> float32 on CPU, bfloat16 on CUDA; accepts torch dtypes and common names."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)") from None
 
 
 class Qwen35Family(ModelFamily):

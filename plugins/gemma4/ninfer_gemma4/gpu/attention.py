@@ -20,7 +20,6 @@ Kernels run when triton is importable and q is on CUDA, or on the CPU under TRIT
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -34,10 +33,7 @@ except Exception:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    if not HAVE_TRITON:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+from ninfer_core.accel import use_triton  # noqa: E402,F401  (one rule for every family)
 
 
 def ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, scale: float, wrap: int = 0):

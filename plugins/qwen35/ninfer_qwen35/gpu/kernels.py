@@ -16,7 +16,6 @@ TRITON_INTERPRET=1 (the kernel tests); otherwise the torch references run.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +30,7 @@ except Exception:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    if not HAVE_TRITON:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+from ninfer_core.accel import use_triton  # noqa: E402,F401  (one rule for every family)
 
 
 # ------------------------------------------------------------------------------------------------
