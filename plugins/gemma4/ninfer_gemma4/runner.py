@@ -148,6 +148,11 @@ class Gemma4Runner(ModelRunner):
         sliding rings are state slots, copied whole."""
         return tuple(t for i in self.cfg.kv_layers(GLOBAL) for t in self.kv[i]) if self.kv is not None else ()
 
+    @property
+    def _pool_groups(self) -> tuple[str, ...]:
+        """The pool's KV group names (cache_spec's, without building the spec on every forward)."""
+        return (GROUP_NAMES[GLOBAL],) if self.cfg.kv_layers(GLOBAL) else ()
+
     def _ring(self, slot: int):
         """The ring rows of `slot` in the sliding layers' tensors."""
         return slice(slot * self.ring_pages, (slot + 1) * self.ring_pages)
@@ -240,7 +245,7 @@ class Gemma4Runner(ModelRunner):
         if self.kv is None:
             raise RuntimeError("allocate_cache() must be called before a forward")
         check_batch(batch, self.cfg.vocab_size, self.num_slots, self.num_pages,
-                    self.cache_spec().group_names, self.page_size)
+                    self._pool_groups, self.page_size)
         pending = [s.slot for s in batch.segments if s.slot in self._uncommitted]
         if pending:
             raise RuntimeError(f"state slots {pending} have an uncommitted verify (call commit first)")
@@ -308,15 +313,15 @@ class Gemma4Runner(ModelRunner):
         ctx = Context(segs, self._positions(segments, default).to(self.device), ps, self.kv, self.group_of)
         if self.ring_pages:
             ctx.wrap[RING] = self.ring_pages
-        for name in (*self.cache_spec().group_names, *((RING,) if self.ring_pages else ())):
-            pages, rows = [], []
+        rows = (default % ps).to(self.device)
+        for name in (*self._pool_groups, *((RING,) if self.ring_pages else ())):
             wrap = ctx.wrap.get(name, 0)
+            index = default // ps % wrap if wrap else default // ps
+            pages, off = [], 0
             for s in segs:
-                table = s.tables[name]
-                for p in range(s.start, s.start + s.length):
-                    pages.append(table[(p // ps) % wrap] if wrap else table[p // ps])
-                    rows.append(p % ps)
-            ctx.write_rows[name] = (torch.tensor(pages, device=self.device), torch.tensor(rows, device=self.device))
+                pages.append(torch.as_tensor(s.tables[name], dtype=torch.int64)[index[off: off + s.length]])
+                off += s.length
+            ctx.write_rows[name] = (torch.cat(pages).to(self.device), rows)
         return ctx
 
     def _positions(self, segments: Sequence[LaneSegment], default: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,11 @@ class DecodeGraphs:
             self.tiles[key] = (self.dev32[off: off + 4 * b].view(b, 4), self.host32[off: off + 4 * b].view(b, 4))
             off += 4 * b
         self.per_lane = (self.dev32[off: off + 3 * b].view(3, b), self.host32[off: off + 3 * b].view(3, b))
+        # numpy views of the host mirrors (same memory) for `_fill`
+        self._np64 = self.host64.numpy()
+        self._np_tables = {g: host.numpy() for g, (_, host) in self.tables.items()}
+        self._np_tiles = {key: host.numpy() for key, (_, host) in self.tiles.items()}
+        self._np_lane = self.per_lane[1].numpy()
 
     @staticmethod
     def eligible(segments) -> bool:
@@ -71,27 +76,27 @@ class DecodeGraphs:
 
     # ---- inputs -------------------------------------------------------------------------------
     def _fill(self, rows: list[tuple[int, int, int, dict]]) -> None:
-        """rows: (token, position, slot, {group: table}) per lane."""
+        """rows: (token, position, slot, {group: table}) per lane. Written through numpy views of
+        the host mirrors: a step sets a few dozen scalars, and a torch op per scalar costs more
+        than the step's host work should."""
         r, ps = self.r, self.r.page_size
-        h64 = self.host64
-        for i, (tok, pos, slot, tables) in enumerate(rows):
+        h64, tables, tiles, lane = self._np64, self._np_tables, self._np_tiles, self._np_lane
+        for i, (tok, pos, _slot, lane_tables) in enumerate(rows):
             h64[0, i], h64[1, i] = tok, pos
             for j, g in enumerate(self.groups):
-                t = tables[g]
+                t = lane_tables[g]
+                if len(t) > self.width[g]:
+                    raise ValueError(f"a page table of {len(t)} pages for a graph table of {self.width[g]}")
                 idx = (pos // ps) % r.ring_pages if g == "sliding" else pos // ps
-                h64[2 + 2 * j, i], h64[3 + 2 * j, i] = int(t[idx]), pos % ps
-                host = self.tables[g][1]
-                w = self.width[g]
-                if len(t) > w:
-                    raise ValueError(f"a page table of {len(t)} pages for a graph table of {w}")
-                host[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
-            for key in self.keys:
-                _, window, _ = key
+                h64[2 + 2 * j, i], h64[3 + 2 * j, i] = t[idx], pos % ps
+                tables[g][i, : len(t)] = t
+            for key, tile in tiles.items():
+                window = key[1]
                 lo = max(0, pos - window + 1) if window > 0 else 0
-                self.tiles[key][1][i] = torch.tensor([i, 0, lo // ps, pos // ps], dtype=torch.int32)
-            self.per_lane[1][0, i], self.per_lane[1][1, i], self.per_lane[1][2, i] = i, pos, 1
+                tile[i] = (i, 0, lo // ps, pos // ps)
+            lane[:, i] = (i, pos, 1)
         # blocking copies: the pinned mirrors are refilled by the next step
-        self.dev64.copy_(h64)
+        self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
 
     def _context(self, b: int) -> Context:
