@@ -14,6 +14,7 @@ pytest.importorskip("ninfer_qwen35")
 
 import torch  # noqa: E402
 from ninfer_qwen35.family import Qwen35Family  # noqa: E402
+from ninfer_qwen35.gpu.runner import GpuQwen35Runner  # noqa: E402
 from ninfer_qwen35.testing import build_tiny_artifact  # noqa: E402
 
 from ninfer_core.artifact import Artifact  # noqa: E402
@@ -63,8 +64,10 @@ def prompts(n=3):
     return [base[: 8 + 25 * i] for i in range(n)]  # the third crosses the 32-token prefill chunk twice
 
 
-def serve(art, reqs, spec=None, k=7, concurrent=False, **opts):
+def serve(art, reqs, spec=None, k=7, concurrent=False, gpu=False, **opts):
     r = Qwen35Family().load(art)
+    if gpu:  # the GPU runner's path (its CPU fallbacks): layer outputs from its fused decode/verify bodies
+        r = GpuQwen35Runner.from_runner(r)
     backend = BACKENDS[spec].load(r, art, argparse.Namespace(draft_tokens=k)) if spec else None
 
     async def go():
@@ -100,12 +103,13 @@ def test_greedy_output_equals_plain(art, plain, spec, k):
     assert snap["counters"]["draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("gpu", [False, True])
 @pytest.mark.parametrize("spec", ["dflash", "dflash2"])
-def test_mixed_batch_ending_inside_rounds(art, spec):
+def test_mixed_batch_ending_inside_rounds(art, spec, gpu):
     lens = [5, 13, 22]
     rs = [GenerationRequest(prompt_ids=p, sampling=GREEDY, max_tokens=n) for p, n in zip(prompts(), lens)]
-    base, _ = serve(art, rs, max_concurrency=3, concurrent=True)
-    got, _ = serve(art, rs, spec=spec, k=7, max_concurrency=3, concurrent=True)
+    base, _ = serve(art, rs, max_concurrency=3, concurrent=True, gpu=gpu)
+    got, _ = serve(art, rs, spec=spec, k=7, max_concurrency=3, concurrent=True, gpu=gpu)
     assert [o.token_ids for o in got] == [o.token_ids for o in base]
     assert [len(o.token_ids) for o in got][:2] == lens[:2]  # (the third meets the model's EOS id first)
 
