@@ -39,7 +39,7 @@ def drafter_specs(kind: str, path: str, target_config: dict, stack: contextlib.E
     specs = hf_tensor_specs(path, stack)
     renamed = []
     for s in specs:
-        name = s.name[len("model."):] if s.name.startswith("model.") else s.name
+        name = s.name.removeprefix("model.")
         renamed.append(TensorSpec(f"{kind}.{name}", s.dtype, s.shape, s.load))
     names = {s.name for s in renamed}
     missing = [n for n in ("fc.weight", "hidden_norm.weight", "norm.weight") if f"{kind}.{n}" not in names]

@@ -50,7 +50,7 @@ def load_drafter(artifact, kind: str, vocab_size: int, device, dtype) -> Drafter
     prefix = kind + "."
     state = {}
     for n in names:
-        key = n[len(prefix):] if n.startswith(prefix) else n
+        key = n.removeprefix(prefix)
         if key not in want:
             raise SpecOptionError(f"the artifact's {kind} drafter has a tensor {n} its config does not describe")
         t = artifact.get_tensor(n)
@@ -79,7 +79,7 @@ class _Context:
         if n <= cap:
             return
         new = max(n, 2 * cap)
-        grow = lambda t: torch.cat([t, t.new_zeros((new - cap, *t.shape[1:]))])  # noqa: E731
+        grow = lambda t: torch.cat([t, t.new_zeros((new - cap, *t.shape[1:]))])
         self.k, self.v, self.valid = [grow(t) for t in self.k], [grow(t) for t in self.v], grow(self.valid)
 
 
@@ -107,7 +107,7 @@ class DFlashBackend(SpecBackend):
                 raise SpecOptionError(f"--{flag.replace('_', '-')} is an MTP option; --spec {cls.name} does not take it")
 
     @classmethod
-    def load(cls, runner, artifact, options=None) -> "DFlashBackend":
+    def load(cls, runner, artifact, options=None) -> DFlashBackend:
         cls.check_options(options)
         info = runner.info
         dtype = getattr(runner, "dtype", None) or torch.float32

@@ -68,7 +68,7 @@ class DrafterConfig:
         return None
 
     @classmethod
-    def from_hf(cls, cfg: dict, kind: str) -> "DrafterConfig":
+    def from_hf(cls, cfg: dict, kind: str) -> DrafterConfig:
         if kind not in KINDS:
             raise DrafterConfigError(f"unknown drafter kind {kind!r} ({', '.join(KINDS)})")
         if not isinstance(cfg, dict):

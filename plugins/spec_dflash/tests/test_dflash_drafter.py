@@ -11,12 +11,12 @@ import types
 
 import pytest
 import torch
-
-from ninfer_core.engine.spec import DraftLane
 from ninfer_spec_dflash.backend import DFlash2Backend, DFlashBackend, SpecOptionError
 from ninfer_spec_dflash.config import DrafterConfig, DrafterConfigError
 from ninfer_spec_dflash.model import Drafter
 from ninfer_spec_dflash.testing import drafter_hf_config, random_tensors
+
+from ninfer_core.engine.spec import DraftLane
 
 H, V = 32, 96
 
@@ -89,7 +89,7 @@ def direct_block(sd, cfg, feats, tokens_ctx_valid, token, p, k, runner):
         if cfg.kind == "dflash2":
             dyn = (h @ a(pre + "attention_conv.kernel_projection.weight").T).view(s, 2, cfg.conv_kernel_size, -1)
             h = conv(h, dyn[:, 0], a(pre + "attention_conv.base_kernel")[0])
-        keys, vals, kpos = [], [], []
+        keys, vals = [], []
         for src, rows, pos0 in ((ctx, range(p), 0), (h, range(s), p)):
             for r in rows:
                 if src is ctx and not tokens_ctx_valid[r]:

@@ -12,20 +12,20 @@ import pytest
 
 pytest.importorskip("ninfer_qwen35")
 
-import torch  # noqa: E402
-from ninfer_qwen35.family import Qwen35Family  # noqa: E402
-from ninfer_qwen35.gpu.runner import GpuQwen35Runner  # noqa: E402
-from ninfer_qwen35.testing import build_tiny_artifact  # noqa: E402
+import torch
+from ninfer_qwen35.family import Qwen35Family
+from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+from ninfer_qwen35.testing import build_tiny_artifact
+from ninfer_spec_dflash.backend import DFlash2Backend, DFlashBackend
+from ninfer_spec_dflash.testing import random_drafter_checkpoint
 
-from ninfer_core.artifact import Artifact  # noqa: E402
-from ninfer_core.cli import main as cli  # noqa: E402
-from ninfer_core.config import EngineOptions  # noqa: E402
-from ninfer_core.engine.api import GenerationRequest, SamplingParams  # noqa: E402
-from ninfer_core.engine.engine import Engine  # noqa: E402
-from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment  # noqa: E402
-from ninfer_core.testing import collect, run_async  # noqa: E402
-from ninfer_spec_dflash.backend import DFlash2Backend, DFlashBackend  # noqa: E402
-from ninfer_spec_dflash.testing import random_drafter_checkpoint  # noqa: E402
+from ninfer_core.artifact import Artifact
+from ninfer_core.cli import main as cli
+from ninfer_core.config import EngineOptions
+from ninfer_core.engine.api import GenerationRequest, SamplingParams
+from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment
+from ninfer_core.testing import collect, run_async
 
 GREEDY = SamplingParams(temperature=0.0)
 BACKENDS = {"dflash": DFlashBackend, "dflash2": DFlash2Backend}

@@ -137,7 +137,6 @@ def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, see
     """Train one drafter; returns its state dict (checkpoint names) and the loss history."""
     import torch
     import torch.nn.functional as F
-
     from ninfer_spec_dflash.config import DrafterConfig
     from ninfer_spec_dflash.model import Drafter
 
@@ -262,7 +261,7 @@ def acceptance(artifact: str, kinds, k: int, prompts: int, seed: int, max_tokens
     plain, pc, ps = run(None)
     out = {"plain": {"seconds": ps, "decode_tok_s": pc["committed_decode_tokens"] / max(pc["decode_seconds"], 1e-9)}}
     for name in kinds:
-        got, c, secs = run(name)
+        got, c, _ = run(name)
         rounds = max(c["draft_rounds"], 1)
         out[name] = {"k": k, "rounds": c["draft_rounds"], "drafted": c["draft_tokens"],
                      "accepted": c["draft_accepted_tokens"],
@@ -279,10 +278,10 @@ def acceptance(artifact: str, kinds, k: int, prompts: int, seed: int, max_tokens
 def train(out: Path, recipe: DraftRecipe, artifact: str, seed: int = 0, device: str | None = None,
           eval_prompts: int = 12) -> dict:
     import torch
+    from ninfer_spec_dflash.testing import write_drafter_checkpoint
 
     from ninfer_core.cli import main as cli
     from ninfer_core.tokenizer.bpe import Tokenizer
-    from ninfer_spec_dflash.testing import write_drafter_checkpoint
 
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
