@@ -83,21 +83,22 @@ class PipelineRunner(ModelRunner):
 
     # ---- building and ending ------------------------------------------------------------------
     @classmethod
-    def start(cls, family: Any, artifact_path: str, devices: list[str], stage_layers: list[int] | None = None,
+    def start(cls, family: Any, artifact_path: Any, devices: list[str], stage_layers: list[int] | None = None,
               dtype: str | None = None, options: Any = None, microbatch_tokens: int = MICROBATCH_TOKENS,
               timeout_s: float = 1800.0) -> PipelineRunner:
         """Split the family's layers over `devices` (`stage_layers`, else by free memory), spawn one
         process per stage after the first and load every stage; raises ValueError for a split
-        the model refuses, PipelineError when a stage fails to load."""
+        the model refuses, PipelineError when a stage fails to load. `artifact_path` may also be a
+        picklable factory(device) -> artifact (random weights drawn on each stage's device)."""
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from ninfer_core.artifact import Artifact
         from ninfer_core.engine.pipeline.split import StageSplitError
+        from ninfer_core.engine.pipeline.stage import open_artifact
 
         target = family_target(family)
         fam = load_target(target) if isinstance(family, str) else (family() if isinstance(family, type) else family)
-        n = int(fam.pipeline_layers(Artifact.open(artifact_path)) or 0)
+        n = int(fam.pipeline_layers(open_artifact(artifact_path, devices[0])) or 0)
         if n <= 0:
             raise StageSplitError(f"--devices: the {getattr(fam, 'name', '') or type(fam).__name__} family cannot run "
                                   "as pipeline stages")

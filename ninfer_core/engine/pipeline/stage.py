@@ -33,7 +33,7 @@ class StageSpec:
     init_method: str  # tcp://127.0.0.1:PORT, rank 0 hosts the store
     backend: str  # gloo (CPU) or nccl (CUDA)
     family_target: str  # "module:Class" of the model family
-    artifact_path: str
+    artifact_path: Any  # the artifact's path, or a picklable factory(device) -> artifact-like (random weights)
     device: str
     layers: tuple[int, int]  # [start, stop)
     dtype: str | None = None
@@ -64,12 +64,19 @@ def load_target(target: str):
     return obj() if isinstance(obj, type) else obj
 
 
-def load_stage(spec: StageSpec):
-    from ninfer_core.artifact import Artifact
+def open_artifact(source: Any, device: str):
+    """An open artifact from a path, or from a factory called with the stage's device."""
+    if isinstance(source, str):
+        from ninfer_core.artifact import Artifact
 
+        return Artifact.open(source)
+    return source(device)
+
+
+def load_stage(spec: StageSpec):
     family = load_target(spec.family_target)
-    return family.load_stage(Artifact.open(spec.artifact_path), range(*spec.layers), spec.device, spec.dtype,
-                             spec.options)
+    return family.load_stage(open_artifact(spec.artifact_path, spec.device), range(*spec.layers), spec.device,
+                             spec.dtype, spec.options)
 
 
 def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_size: int) -> None:

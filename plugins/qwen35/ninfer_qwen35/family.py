@@ -90,9 +90,18 @@ class Qwen35Family(ModelFamily):
         if not (0 <= layers.start < layers.stop <= n and layers.step == 1):
             raise LoadError(f"stage layers {layers.start}..{layers.stop - 1} outside the model's {n} layers")
         text_names = [m for m in artifact.tensor_names() if not m.startswith(("mtp.", "model.visual."))]
-        state = _text_state(artifact, text_names, cfg)
         first, last = layers.start == 0, layers.stop == n
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in text_names
+
+        def wanted(name: str) -> bool:  # read only this stage's tensors (a random source draws what it is asked)
+            m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if m is not None:
+                return int(m.group(1)) in layers
+            if name.endswith("embed_tokens.weight"):
+                return first or (last and tied)
+            return last
+
+        state = _text_state(artifact, [m for m in text_names if wanted(m)], cfg)
         keep = {}
         for name, t in state.items():
             m = re.match(r"layers\.(\d+)\.", name)
