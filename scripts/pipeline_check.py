@@ -75,10 +75,11 @@ def main() -> int:
     if not a.smoke and torch.cuda.device_count() < 2:
         print("pipeline check: skipped, it needs 2 CUDA devices (nvidia-h200-x2)")
         return 0
-    from ninfer_core.engine.pipeline.runner import PipelineRunner
-    from ninfer_core.engine.pipeline.split import parse_stage_layers
     from ninfer_qwen35.family import Qwen35Family
     from ninfer_qwen35.shapes import SHAPES
+
+    from ninfer_core.engine.pipeline.runner import PipelineRunner
+    from ninfer_core.engine.pipeline.split import parse_stage_layers
 
     if a.smoke:
         from ninfer_qwen35.testing import tiny_text_config
@@ -88,7 +89,8 @@ def main() -> int:
         hf = SHAPES[a.shape]
     fam = Qwen35Family()
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, min(240000, hf["vocab_size"]), (a.prompt,), generator=gen).tolist() for _ in range(a.lanes)]
+    vocab = min(240000, hf["vocab_size"])
+    prompts = [torch.randint(0, vocab, (a.prompt,), generator=gen).tolist() for _ in range(a.lanes)]
     pages_per_lane = -(-(a.prompt + a.steps) // 64)
     pages = pages_per_lane * a.lanes
     rows = []
@@ -126,11 +128,12 @@ def main() -> int:
     finally:
         pipe.close()
 
-    print(f"pipeline check {'tiny (smoke, CPU)' if a.smoke else a.shape}: {a.lanes} lanes x {a.prompt} prompt tokens, {a.steps} greedy tokens; "
+    shape = "tiny (smoke, CPU)" if a.smoke else a.shape
+    print(f"pipeline check {shape}: {a.lanes} lanes x {a.prompt} prompt tokens, {a.steps} greedy tokens; "
           f"stages {[len(r) for r in pipe.ranges]}; load 1 GPU {load_whole:.1f} s, 2 stages {load_pipe:.1f} s")
     print(f"{'run':<28} {'prefill ms':>10} {'decode ms/round':>16} {'greedy = 1 GPU':>15} {'max |dlogit|':>13}")
     for label, tp, td, same, diff in rows:
-        print(f"{label:<28} {tp * 1e3:>10.1f} {td * 1e3:>16.2f} {str(same):>15} {diff:>13.4g}")
+        print(f"{label:<28} {tp * 1e3:>10.1f} {td * 1e3:>16.2f} {same!s:>15} {diff:>13.4g}")
     exact = all(r[3] is True for r in rows[:-1])
     print("PIPELINE", "greedy identical" if exact else "greedy DIFFERS", "(1 GPU eager and 2 stages, whole prefill)")
     return 0 if exact else 1

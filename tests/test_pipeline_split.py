@@ -54,7 +54,7 @@ def test_bad_stage_layers_are_refused(text):
 
 
 def test_explicit_split_is_checked_against_the_model():
-    assert plan_stages(6, ["cpu"] * 3, [1, 3, 2]) == [range(0, 1), range(1, 4), range(4, 6)]
+    assert plan_stages(6, ["cpu"] * 3, [1, 3, 2]) == [range(1), range(1, 4), range(4, 6)]
     with pytest.raises(StageSplitError, match="adds up to 5 layers; the model has 6"):
         plan_stages(6, ["cpu"] * 2, [2, 3])
     with pytest.raises(StageSplitError, match="lists 3 counts for 2 devices"):

@@ -320,7 +320,8 @@ class Qwen35Runner(StageRunner, ModelRunner):
         if not self.model.last:
             for seg, s in zip(segs, segments):
                 if s.kind == VERIFY:
-                    self._uncommitted[s.slot] = (ctx.verify_states.get(s.slot, {}), hidden[seg.offset: seg.offset + seg.length])
+                    rows = hidden[seg.offset: seg.offset + seg.length]
+                    self._uncommitted[s.slot] = (ctx.verify_states.get(s.slot, {}), rows)
             return hidden
         if self.draft is not None:
             self._ride_along(segs, segments, ids, hidden, ctx.positions)
