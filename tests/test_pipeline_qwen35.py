@@ -145,3 +145,34 @@ def test_serve_devices_cpu_cpu_answers_as_one_device_and_reuses_the_context(tiny
     assert [t for t, _ in got] == [t for t, _ in want]
     assert any("".join(t) for t, _ in got)  # the turns produced text
     assert got[1][1] > 0 and want[1][1] == 0  # the second turn restored a checkpoint across both stages
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast_path"])
+def test_stages_chained_in_process_give_the_whole_models_bits(artifact, fast):
+    """The family's stage contract alone: three stage runners chained by hand (the fast path's
+    fused add + norm at a stage boundary included) give exactly the whole model's logits."""
+    from ninfer_qwen35.family import Qwen35Family
+    from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+
+    fam, art = Qwen35Family(), Artifact.open(artifact)
+    whole = fam.load(art, "cpu")
+    stages = [fam.load_stage(art, r, "cpu") for r in (range(0, 2), range(2, 5), range(5, 6))]
+    if fast:
+        whole = GpuQwen35Runner.from_runner(whole, cuda_graph=False)
+        stages = [GpuQwen35Runner.from_runner(s, cuda_graph=False) for s in stages]
+    assert stages[0].model.norm is None and stages[-1].model.embed_tokens is None
+    for r in (whole, *stages):
+        r.allocate_cache(8, 3)
+    tb = {"full_attention": [0, 1, 2]}
+
+    def chained(batch):
+        h = None
+        for s in stages:
+            h = s.forward_stage(batch, h)
+        return h
+
+    for batch in (ForwardBatch([LaneSegment(0, tb, 0, PROMPTS[0], PREFILL, snapshot=(30, 2))]),
+                  ForwardBatch([LaneSegment(0, tb, len(PROMPTS[0]), [9], DECODE),
+                                LaneSegment(2, tb, 30, [7], DECODE)])):
+        for x, y in zip(whole.forward(batch), chained(batch)):
+            assert torch.equal(x.logits, y.logits)
