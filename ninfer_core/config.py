@@ -175,6 +175,9 @@ class ServeOptions:
     webui_mcp_proxy: bool = False  # the /cors-proxy relay for the WebUI's MCP client
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
+    # Pipeline stages (ninfer_core.engine.pipeline): one stage per device, layers per stage or None
+    devices: list[str] | None = None
+    stage_layers: list[int] | None = None
 
 
 def _comma_list(s: str) -> list[str]:
@@ -230,6 +233,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
     log_path = getattr(a, "request_log_jsonl", None)
     if getattr(a, "request_log_max_mib", 0) and not log_path:
         raise ValueError("--request-log-max-mib requires --request-log-jsonl")
+    devices, stage_layers = pipeline_options_from_args(a)
     hosts = _comma_list(a.host) or ["127.0.0.1"]
     if len(set(hosts)) != len(hosts):
         raise ValueError(f"--host {a.host}: an address is listed twice")
@@ -255,5 +259,29 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         tags=list(getattr(a, "tags", []) or []),
         **structured_options_from_args(a),
         **client_options_from_args(a),
+        devices=devices, stage_layers=stage_layers,
     )
+
+
+def pipeline_options_from_args(a: argparse.Namespace) -> tuple[list[str] | None, list[int] | None]:
+    """--devices / --stage-layers parsed and checked against the other options (the layer count is
+    checked against the model once the artifact is open)."""
+    from ninfer_core.engine.pipeline.split import parse_devices, parse_stage_layers
+
+    text, layers_text = getattr(a, "devices", None), getattr(a, "stage_layers", None)
+    if text is None:
+        if layers_text is not None:
+            raise ValueError("--stage-layers needs --devices (one count per listed device)")
+        return None, None
+    devices = parse_devices(text)
+    layers = parse_stage_layers(layers_text) if layers_text is not None else None
+    if layers is not None and len(layers) != len(devices):
+        raise ValueError(f"--stage-layers lists {len(layers)} counts for {len(devices)} devices (one per device, in "
+                         "--devices order)")
+    if getattr(a, "vision_residency", None) == "overlay":
+        raise ValueError("--vision-residency overlay does not run with --devices (use resident or cpu: the tower "
+                         "stays on the first device)")
+    if getattr(a, "spec", None):
+        raise ValueError(f"--spec {a.spec} does not run across pipeline stages yet (drop --devices or --spec)")
+    return devices, layers
 

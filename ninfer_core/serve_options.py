@@ -150,6 +150,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "failing the engine; eight consecutive recoveries still fail it")
     g.add_argument("--kv-dtype", default="bf16", metavar="NAME", help="KV-cache storage format (a registered KV dtype)")
     g.add_argument("--device", default="auto", metavar="DEV", help="cpu, cuda, cuda:N or auto (cuda when torch sees a GPU)")
+    g.add_argument("--devices", default=None, metavar="A,B,...",
+                   help="one pipeline stage per listed device (2 to 8: cuda:0,cuda:1 ...; cpu,cpu for a CPU test); "
+                        "overrides --device")
+    g.add_argument("--stage-layers", default=None, metavar="A,B,...",
+                   help="decoder layers per stage, in --devices order (default: a split from each device's free "
+                        "memory)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="run decode rounds eagerly instead of replaying captured CUDA Graphs")
 

@@ -15,6 +15,10 @@ DFlash (issue 24): `--order dflash` benches ninfer-tiny's trained MTP, DFlash an
 side by side (acceptance length and tok/s at K = 7 and 15, batch 1 and 8), then the 27B shape's
 verify round at width 8 and 16 against a plain decode step and the engine at the oracle's
 acceptance (`ninfer bench --spec oracle --spec-k 7,15`).
+
+Pipeline stages (issue 26, on nvidia-h200-x2): `--order pipeline` runs scripts/pipeline_check.py:
+the 27B shape whole on one GPU, then split over two as pipeline stages (NCCL), prefill and
+batched decode in the same call, greedy tokens compared (a table; the PIPELINE line last).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def main() -> int:
                                                           "plugins/gemma4/tests/test_gemma4_serve.py"],
                     help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
+    ap.add_argument("--pipeline-args", default="", help="extra arguments for scripts/pipeline_check.py")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
     a = ap.parse_args()
@@ -152,8 +157,17 @@ def main() -> int:
             start = text.find("speculative rounds")
             summary.append(text[start:].strip() if start >= 0 else text[-3000:])
 
+
+    def part_pipeline():
+        left = a.budget - (time.monotonic() - t_start)
+        rc, dt, text = run([sys.executable, os.path.join(ROOT, "scripts", "pipeline_check.py"),
+                            *a.pipeline_args.split()], os.path.join(a.out, "pipeline.log"), max(60, left - 30))
+        summary.append(f"== pipeline stages (2 GPUs vs 1) rc={rc} in {dt:.0f} s")
+        start = text.find("pipeline check")
+        summary.append(text[start:].strip() if start >= 0 else text[-4000:])
+
     parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4,
-             "dflash": part_dflash}
+             "dflash": part_dflash, "pipeline": part_pipeline}
     for name in a.order.split(","):
         parts[name.strip()]()
 

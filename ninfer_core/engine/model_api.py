@@ -366,6 +366,27 @@ class ModelRunner(ABC):
         return torch.cat([o.hidden[FINAL_HIDDEN] for o in out])
 
 
+class StageRunner(ABC):
+    """One pipeline stage of a family's model (`ModelFamily.load_stage`): a `ModelRunner` over a
+    contiguous range of the decoder layers that also implements `forward_stage`.
+
+    Its cache methods cover its own layers: `cache_spec()` lists the KV groups and state of those
+    layers (the same group names as the whole model's), `allocate_cache` sizes every layer it holds
+    for the engine's whole page-id space and slot count, and StateImage / `read_pages` tensor names
+    are keyed by the model's layer index, so the images of all stages merge into one image of the
+    whole model without a clash (ninfer_core.engine.pipeline).
+    """
+
+    @abstractmethod
+    def forward_stage(self, batch: ForwardBatch, hidden: Any = None) -> Any:
+        """The stage's part of `forward(batch)`: the first stage takes `hidden` None and embeds the
+        batch's tokens (side embeddings spliced in), every later stage takes the residual stream
+        [sum(T), hidden] the previous stage returned; a stage before the last returns the residual
+        stream after its last layer (the model's dtype, rows in segment order), the last stage
+        returns the SegmentOutputs (logits, FINAL_HIDDEN) exactly as `forward` would. Verify
+        segments advance the stage's slots provisionally, as `forward`'s do, until `commit`."""
+
+
 def check_batch(batch: ForwardBatch, vocab_size: int, num_slots: int, num_pages: int,
                 groups: Sequence[str], page_size: int = PAGE_SIZE) -> None:
     """The checks every runner makes before a forward (ValueError with what is wrong)."""
@@ -424,3 +445,16 @@ class ModelFamily(ABC):
     def sampling_presets(self, architecture: str) -> dict | None:
         """The family's sampler presets {"thinking": {...}, "non_thinking": {...}}, or None for core's."""
         return None
+
+    # -- pipeline stages (optional: `--devices A,B,...`; ninfer_core.engine.pipeline) -------------
+    def pipeline_layers(self, artifact) -> int:
+        """The number of decoder layers a pipeline split divides between stages; 0 (the default):
+        this family cannot run as pipeline stages."""
+        return 0
+
+    def load_stage(self, artifact, layers: range, device: str = "cpu", dtype: str | None = None,
+                   options: Any = None) -> StageRunner:
+        """A `StageRunner` holding the decoder layers `layers` (a sub-range of
+        range(pipeline_layers)); the stage with layer 0 also holds the embeddings, the stage
+        with the last layer the final norm and the LM head. Called in the stage's own process."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} family has no pipeline stages")

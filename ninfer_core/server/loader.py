@@ -72,11 +72,17 @@ class Loader:
             from ninfer_core.tokenizer import Tokenizer
 
             opts = ctx.options
-            device = resolve_device(opts.engine.device)
+            device = opts.devices[0] if opts.devices else resolve_device(opts.engine.device)
             tokenizer = Tokenizer.from_section(self.artifact.tokenizer_section)
             target = self.family_reg.load()
             family = target() if isinstance(target, type) else target
-            runner = family.load(self.artifact, device=device, options=opts.plugin_options)
+            if opts.devices:  # one stage per device (ninfer_core.engine.pipeline); --device is overridden
+                from ninfer_core.engine.pipeline.runner import PipelineRunner
+
+                runner = PipelineRunner.start(self.family_reg.target, self.artifact.path, opts.devices,
+                                              opts.stage_layers, options=opts.plugin_options)
+            else:
+                runner = family.load(self.artifact, device=device, options=opts.plugin_options)
             if hasattr(family, "chat_format"):  # the family's reasoning and tool-call markup
                 from ninfer_core.tokenizer.chat_format import attach
 

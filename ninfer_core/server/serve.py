@@ -111,6 +111,10 @@ def run_serve(args, host: PluginHost | None = None) -> int:
         host.resolve("kv_dtype", options.engine.kv_dtype)
     except PluginError as e:
         return _fail(str(e))
+    if options.devices:
+        err = check_pipeline(options, artifact, family_reg)
+        if err:
+            return _fail(err)
     from ninfer_core.tokenizer.builtin_templates import resolve_chat_template
     from ninfer_core.tokenizer.chat_template import ChatTemplate, TemplateError
 
@@ -187,6 +191,22 @@ def run_serve(args, host: PluginHost | None = None) -> int:
                                 stats_socks, control)
 
 
+def check_pipeline(options, artifact, family_reg) -> str | None:
+    """The reason --devices / --stage-layers cannot split this model, before any weight is read."""
+    from ninfer_core.engine.pipeline.split import StageSplitError, plan_stages
+
+    target = family_reg.load()
+    family = target() if isinstance(target, type) else target
+    n = int(getattr(family, "pipeline_layers", lambda _a: 0)(artifact) or 0)
+    if n <= 0:
+        return f"--devices: the {family_reg.name} family cannot run as pipeline stages"
+    try:
+        plan_stages(n, options.devices, options.stage_layers)
+    except StageSplitError as e:
+        return str(e)
+    return None
+
+
 def _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec_reg, console, socks,
                          stats_socks, control) -> int:
     import uvicorn
@@ -216,6 +236,9 @@ def _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec
                     engine.shutdown()
                 except Exception as e:  # noqa: BLE001
                     log.warning("engine shutdown: %s", e)
+                close = getattr(engine.runner, "close", None)  # a pipeline's stage processes
+                if close is not None:
+                    close()
             if loader.throughput is not None:
                 loader.throughput.stop()  # the last partial interval
             if ctx.request_log is not None:

@@ -76,6 +76,61 @@ class Qwen35Family(ModelFamily):
             return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
         return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
 
+    # ---- pipeline stages (ninfer_core.engine.pipeline; model_api's StageRunner contract) ---------
+    def pipeline_layers(self, artifact) -> int:
+        return Qwen35Config.from_hf(artifact.config, getattr(artifact, "architecture", None)).num_hidden_layers
+
+    def load_stage(self, artifact, layers: range, device: str = "cpu", dtype: str | None = None, options=None):
+        """A runner over the decoder layers `layers` only: the first stage also embeds, the last
+        also applies the final norm and the LM head (the embedding matrix when they are tied)."""
+        dev = torch.device(device)
+        run_dtype = resolve_dtype(dtype, dev)
+        cfg = Qwen35Config.from_hf(artifact.config, getattr(artifact, "architecture", None))
+        n = cfg.num_hidden_layers
+        if not (0 <= layers.start < layers.stop <= n and layers.step == 1):
+            raise LoadError(f"stage layers {layers.start}..{layers.stop - 1} outside the model's {n} layers")
+        text_names = [m for m in artifact.tensor_names() if not m.startswith(("mtp.", "model.visual."))]
+        first, last = layers.start == 0, layers.stop == n
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in text_names
+
+        def wanted(name: str) -> bool:  # read only this stage's tensors (a random source draws what it is asked)
+            m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if m is not None:
+                return int(m.group(1)) in layers
+            if name.endswith("embed_tokens.weight"):
+                return first or (last and tied)
+            return last
+
+        state = _text_state(artifact, [m for m in text_names if wanted(m)], cfg)
+        keep = {}
+        for name, t in state.items():
+            m = re.match(r"layers\.(\d+)\.", name)
+            if m is not None:
+                if int(m.group(1)) in layers:
+                    keep[name] = t
+            elif name == "embed_tokens.weight":
+                if first:
+                    keep[name] = t
+                if last and tied and not first:  # the head is the embedding matrix: the last stage holds a copy
+                    keep["lm_head.weight"] = t
+            elif name.startswith("norm.") or name == "lm_head.weight":
+                if last and not (name == "lm_head.weight" and tied):
+                    keep[name] = t
+        with torch.device("meta"):
+            model = Qwen35TextModel(cfg, layers)
+        share = first and last and tied
+        _assign(model, keep, run_dtype, dev, skip={"lm_head.weight"} if share else set())
+        if share:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.init_rotary(dev)
+        tok = getattr(artifact, "tokenizer_section", None)
+        eos = _eos_ids(tok) if isinstance(tok, dict) else ()
+        if dev.type == "cuda":  # the fast path's kernels, eager (a stage captures no decode graph)
+            from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+
+            return GpuQwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+        return Qwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+
     def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
         """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device`
         as the loader asks for them (`ninfer bench`; nothing is written)."""

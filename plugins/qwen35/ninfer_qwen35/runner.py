@@ -21,6 +21,7 @@ from ninfer_core.engine.model_api import (
     ModelInfo,
     ModelRunner,
     SegmentOutput,
+    StageRunner,
     StateImage,
     check_batch,
 )
@@ -32,7 +33,7 @@ from ninfer_qwen35.mtp import MtpHead
 ATTN_GROUP = "full_attention"
 
 
-class Qwen35Runner(ModelRunner):
+class Qwen35Runner(StageRunner, ModelRunner):
     def __init__(
         self,
         model: Qwen35TextModel,
@@ -43,6 +44,9 @@ class Qwen35Runner(ModelRunner):
         eos_token_ids: tuple[int, ...] = (),
     ):
         self.model, self.cfg, self.device, self.dtype, self.mtp = model, cfg, device, dtype, mtp
+        # a pipeline stage holds the layers of `model.layer_range` only (ninfer_core.engine.pipeline)
+        self.attn_layers = tuple(i for i in cfg.full_attention_layers if i in model.layer_range)
+        self.gdn_layers = tuple(i for i in cfg.linear_attention_layers if i in model.layer_range)
         self.cache: CacheTensors | None = None
         self.num_pages = self.num_slots = 0
         self.draft = None  # the enabled MtpDraftHead, or None
@@ -71,7 +75,7 @@ class Qwen35Runner(ModelRunner):
 
     def cache_spec(self) -> CacheSpec:
         cfg, elem = self.cfg, self._elem
-        attn_layers = cfg.full_attention_layers
+        attn_layers = self.attn_layers
         kv_bytes = 2 * len(attn_layers) * cfg.num_key_value_heads * cfg.head_dim * elem
         conv = cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
         ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -79,21 +83,21 @@ class Qwen35Runner(ModelRunner):
         if attn_layers:
             groups.append(KVGroup(name=ATTN_GROUP, layers=attn_layers, kv_heads=cfg.num_key_value_heads,
                                   head_dim=cfg.head_dim, bytes_per_token=kv_bytes))
-        state = len(cfg.linear_attention_layers) * (conv + ssm)
+        state = len(self.gdn_layers) * (conv + ssm)
         if self.draft is not None:
             groups.append(self.draft.kv_group_spec(elem))
             state += cfg.hidden_size * elem
-        return CacheSpec(kv_groups=tuple(groups), state_bytes=state, state_layers=cfg.linear_attention_layers)
+        return CacheSpec(kv_groups=tuple(groups), state_bytes=state, state_layers=self.gdn_layers)
 
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         cfg, dev = self.cfg, self.device
         cache = CacheTensors(page_size=page_size)
-        kv_layers = list(cfg.full_attention_layers) + list(self.draft.layer_ids if self.draft else ())
+        kv_layers = list(self.attn_layers) + list(self.draft.layer_ids if self.draft else ())
         for i in kv_layers:
             shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
             cache.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=dev),
                            torch.zeros(shape, dtype=self.dtype, device=dev))
-        for i in cfg.linear_attention_layers:
+        for i in self.gdn_layers:
             conv_shape, ssm_shape = self.model.layers[i].linear_attn.state_shapes()
             cache.conv[i] = torch.zeros((num_slots, *conv_shape), dtype=self.dtype, device=dev)
             cache.ssm[i] = torch.zeros((num_slots, *ssm_shape), dtype=torch.float32, device=dev)
@@ -219,16 +223,44 @@ class Qwen35Runner(ModelRunner):
                     for s in batch.segments]
         return self._forward(batch.segments)
 
-    def _forward_snapshot(self, seg: LaneSegment) -> SegmentOutput:
+    @torch.inference_mode()
+    def forward_stage(self, batch: ForwardBatch, hidden: torch.Tensor | None = None):
+        """One pipeline stage's part of a forward (ninfer_core.engine.model_api.StageRunner)."""
+        self._check(batch)
+        if (hidden is None) != self.model.first:
+            raise ValueError("the first stage embeds the tokens; every later stage needs the previous stage's hidden")
+        if hidden is not None and hidden.shape[0] != sum(len(s) for s in batch.segments):
+            raise ValueError(f"hidden rows {hidden.shape[0]} for {sum(len(s) for s in batch.segments)} tokens")
+        if not any(s.snapshot is not None for s in batch.segments):
+            return self._forward(batch.segments, hidden)
+        parts, off = [], 0
+        for s in batch.segments:
+            h = None if hidden is None else hidden[off: off + len(s)]
+            parts.append(self._stage_snapshot(s, h) if s.snapshot is not None else self._forward([s], h))
+            off += len(s)
+        return [o for p in parts for o in p] if self.model.last else torch.cat(parts)
+
+    def _stage_snapshot(self, seg: LaneSegment, hidden):
+        at, snap = seg.snapshot
+        if self.model.last:
+            return [self._forward_snapshot(seg, hidden)]
+        first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL)
+        rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL)
+        a = self._forward([first], None if hidden is None else hidden[:at])
+        self.copy_slot(seg.slot, snap)
+        return torch.cat([a, self._forward([rest], None if hidden is None else hidden[at:])])
+
+    def _forward_snapshot(self, seg: LaneSegment, hidden: torch.Tensor | None = None) -> SegmentOutput:
         """A chunk with a checkpoint inside it: two forwards around a slot copy."""
         at, snap = seg.snapshot
         first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL,
                             LOGITS_ALL if seg.logits == LOGITS_ALL else "none", seg.hidden)
         rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL, seg.logits,
                            seg.hidden)
-        a = self._forward([first])[0]
+        at_h = (None, None) if hidden is None else (hidden[:at], hidden[at:])
+        a = self._forward([first], at_h[0])[0]
         self.copy_slot(seg.slot, snap)
-        b = self._forward([rest])[0]
+        b = self._forward([rest], at_h[1])[0]
         logits = torch.cat([a.logits, b.logits]) if seg.logits == LOGITS_ALL else b.logits
         return SegmentOutput(logits, {k: torch.cat([a.hidden[k], b.hidden[k]]) for k in b.hidden})
 
@@ -274,14 +306,23 @@ class Qwen35Runner(ModelRunner):
             off += n
         return torch.cat(parts)
 
-    def _forward(self, segments: Sequence[LaneSegment]) -> list[SegmentOutput]:
+    def _forward(self, segments: Sequence[LaneSegment], hidden_in: torch.Tensor | None = None):
+        """SegmentOutputs of `segments`; a pipeline stage before the last returns the residual
+        stream after its layers [N, hidden] instead (`hidden_in`: what the previous stage sent)."""
         segs = self._segments(segments)
         tokens = [int(t) for s in segments for t in s.tokens]
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         ctx = ForwardContext.build(segs, self.cache, self.device)
         ctx.positions = self._positions(segments, ctx.positions)
         collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN}))
-        hidden = self.model(ids, ctx, collect, self._embeds(segments, ids))
+        embeds = self._embeds(segments, ids) if hidden_in is None else None
+        hidden = self.model(ids, ctx, collect, embeds, hidden=hidden_in)
+        if not self.model.last:
+            for seg, s in zip(segs, segments):
+                if s.kind == VERIFY:
+                    rows = hidden[seg.offset: seg.offset + seg.length]
+                    self._uncommitted[s.slot] = (ctx.verify_states.get(s.slot, {}), rows)
+            return hidden
         if self.draft is not None:
             self._ride_along(segs, segments, ids, hidden, ctx.positions)
         outs = []

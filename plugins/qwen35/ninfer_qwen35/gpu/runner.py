@@ -72,6 +72,9 @@ def fuse_model(model) -> list[SimpleNamespace]:
     out = []
     for layer in model.layers:
         f = SimpleNamespace(w_in=None, w_qkv=None, b_qkv=None, w_gu=None)
+        if layer.layer_type == "absent":  # held by another pipeline stage
+            out.append(f)
+            continue
         if layer.layer_type == "linear_attention":
             g = layer.linear_attn
             f.w_in = _fuse([g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a])
@@ -148,6 +151,11 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     def graphs_enabled(self) -> bool:
         return self.cuda_graph and self.device.type == "cuda" and self._taps is None
 
+    @property
+    def _whole(self) -> bool:
+        """False for a pipeline stage (a part of the layers): its decode runs eagerly."""
+        return self.model.first and self.model.last
+
     # ---- cache: one scratch page and one scratch slot past the engine's pool ------------------
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         self.free_cache()
@@ -183,11 +191,12 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             steps += [("chunk_aligned", pages, base, 300, None), ("chunk_unaligned", pages, base + 13, 300, None),
                       ("capture_in_chunk", pages, base + 13, 300, (283, 0)), ("tail", pages, base + 29, 17, None)]
         ids = torch.zeros(300, dtype=torch.int64, device=self.device)
+        hid = None if self.model.first else torch.zeros(300, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         took = {}
         for name, seg_pages, start, t, snap in steps:
             t0 = time.perf_counter()
             seg = Segment(slot=self.scratch_slot, pages=seg_pages, start=start, length=t, offset=0)
-            self._prefill_body(seg, ids[:t], snap=snap)
+            self._prefill_body(seg, ids[:t], snap=snap, hidden=None if hid is None else hid[:t])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             took[name] = round((time.perf_counter() - t0) * 1e3, 1)
@@ -264,6 +273,42 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             rows = slice(i * t, i * t + len(s.tokens))
             o.hidden.update({h: taps[h][rows].clone() for h in s.hidden if h != FINAL_HIDDEN})
         return outs
+
+    @torch.inference_mode()
+    def forward_stage(self, batch: ForwardBatch, hidden: torch.Tensor | None = None):
+        """A pipeline stage's part of a forward on the fast path's kernels (eager decode: the
+        stage's input is another process's tensor); verify and side inputs are not served here."""
+        if self._whole and hidden is None:
+            return self.forward(batch)
+        self._check(batch)
+        segs = batch.segments
+        if (hidden is None) != self.model.first:
+            raise ValueError("the first stage embeds the tokens; every later stage needs the previous stage's hidden")
+        if any(s.side is not None or not set(s.hidden) <= {FINAL_HIDDEN} or s.kind == VERIFY for s in segs):
+            raise NotImplementedError("a pipeline stage on the fast path runs plain prefill and decode segments")
+        if {s.kind for s in segs} == {DECODE}:
+            rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
+            width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
+            meta = self._build_meta(rows, [int(s.tokens[0]) for s in segs], width).to(self.device)
+            out = self._decode_body(len(rows), meta, width, hidden)
+            if not self.model.last:
+                return out
+            logits = self.model.logits(out)
+            return [SegmentOutput(logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL
+                                                                            else None),
+                                  {FINAL_HIDDEN: out[i: i + 1]} if FINAL_HIDDEN in s.hidden else {})
+                    for i, s in enumerate(segs)]
+        parts, off = [], 0
+        for s in segs:
+            if s.kind != PREFILL:
+                raise NotImplementedError("a pipeline stage batch mixes prefill and decode segments")
+            seg = self._segment_of(s, 0)
+            ids = torch.tensor([int(t) for t in s.tokens], dtype=torch.int64, device=self.device)
+            h = self._prefill_body(seg, ids, snap=s.snapshot,
+                                   hidden=None if hidden is None else hidden[off: off + len(s)])
+            parts.append(self._output(s, h) if self.model.last else h)
+            off += len(s)
+        return parts if self.model.last else torch.cat(parts)
 
     def _prefill_segment(self, s: LaneSegment) -> SegmentOutput:
         seg = Segment(slot=s.slot, pages=list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values()))),
@@ -378,14 +423,15 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         for t in self.cache.slot_tensors().values():
             t[self.scratch_slot].zero_()
 
-    def _decode_body(self, b: int, meta: torch.Tensor, width: int) -> torch.Tensor:
-        """One decode step for b lanes described by meta[:b] -> final-normed hidden [b, H]."""
+    def _decode_body(self, b: int, meta: torch.Tensor, width: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for b lanes described by meta[:b] -> final-normed hidden [b, H] (a
+        pipeline stage: from the previous stage's `hidden`, and before the last the residual)."""
         m = meta[:b]
         # one transposing copy makes every per-lane column contiguous (was one copy per column)
         ids, pos, slots, lens, wpage, wrow = m[:, :_META].t().contiguous()
         table = m[:, _META : _META + width]
         model = self.model
-        x = model.embed_tokens(ids)
+        x = model.embed_tokens(ids) if hidden is None else hidden
         cos, sin = model.rotary.cos_sin(pos, x.dtype)
 
         def mixer(i, layer, h):
@@ -402,14 +448,20 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
 
     def _stack(self, x, mixer):
         """The decoder stack with fused residual-add + norm: x += mixer(norm(x)); x += mlp(norm(x));
-        returns the final-normed hidden states."""
+        returns the final-normed hidden states. A pipeline stage runs its own layers; before the
+        last stage it returns the residual stream (the kernel rounds x before norming it, so the
+        next stage's norm of the sent x is the same bits as the fused one)."""
         model = self.model
-        layers = model.layers
-        x, h = K.add_rmsnorm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
-        for i, layer in enumerate(layers):
+        layers, r = model.layers, model.layer_range
+        first = layers[r.start].input_layernorm
+        x, h = K.add_rmsnorm(x, None, first.weight, first.eps)
+        for i in r:
+            layer = layers[i]
             post = layer.post_attention_layernorm
             x, h = K.add_rmsnorm(x, mixer(i, layer, h), post.weight, post.eps)
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+            if i + 1 == r.stop and not model.last:
+                return x + self._mlp(i, layer.mlp, h)
+            nxt = layers[i + 1].input_layernorm if i + 1 < r.stop else model.norm
             x, h = K.add_rmsnorm(x, self._mlp(i, layer.mlp, h), nxt.weight, nxt.eps)
             if self._taps is not None and i in self._taps:
                 self._taps[i] = x  # the layer's output (a new tensor each add: no copy needed)
@@ -481,14 +533,15 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared)
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None) -> torch.Tensor:
+    def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
         model, cache, ps = self.model, self.cache, self.cache.page_size
         t = ids.shape[0]
         pos = torch.arange(seg.start, seg.start + t, device=self.device)
         need = -(-(seg.start + t) // ps)
         pages = torch.tensor(seg.pages[:need], dtype=torch.int32, device=self.device)
         wpage, wrow = pages[pos // ps].long(), pos % ps
-        x = model.embed_tokens(ids)
+        x = model.embed_tokens(ids) if hidden is None else hidden
         cos, sin = model.rotary.cos_sin(pos, x.dtype)
 
         def mixer(i, layer, h):
