@@ -36,3 +36,41 @@ def loaded(artifact_path):
 
     art = Artifact.open(artifact_path)
     return art, hf_from_artifact(art)
+
+
+def plugin_flags() -> list[str]:
+    """`--plugin ninfer_flash_next.plugin` unless the package is installed (its entry point loads it)."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "flash_next" for ep in entry_points(group="ninfer")):
+        return []
+    return ["--plugin", "ninfer_flash_next.plugin"]
+
+
+@pytest.fixture(scope="session")
+def launch():
+    """tests/conftest.py's launch_server (a real `ninfer serve` subprocess), loaded by path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "tests" / "conftest.py"
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location("ninfer_repo_tests_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.launch_server
+
+
+@pytest.fixture(scope="session")
+def converted(tiny_dir):
+    """`ninfer convert` of a transformers-written random checkpoint (the CLI, as a user runs it)."""
+    from ninfer_flash_next.testing import write_hf_checkpoint
+
+    from ninfer_core.cli import main
+
+    hf = write_hf_checkpoint(tiny_dir / "hf-flash", seed=7)
+    out = str(tiny_dir / "converted.ninfer")
+    assert main(["convert", str(hf), out, "--no-progress", "--name", "flash-next-tiny"]) == 0
+    return out
