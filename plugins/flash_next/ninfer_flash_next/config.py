@@ -112,10 +112,8 @@ class FlashNextConfig:
             raise ConfigError(f"unsupported Flash-Next layer types {sorted(unknown)}")
         # the backbone parser knows full_attention; which of them are indexed is the indexer's business
         text["layer_types"] = ["full_attention" if t != "linear_attention" else t for t in types]
-        text.pop("mtp_num_hidden_layers", None)
         base = Qwen35Config.from_hf(dict(text, model_type="qwen3_5_moe_text"), "qwen3_5_moe_text")
-        base = dataclasses.replace(base, architecture=arch, norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-                                   mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0))
+        base = dataclasses.replace(base, architecture=arch, norm_topk_prob=bool(text.get("norm_topk_prob", True)))
         hc = int(text.get("hc_count", 4))
         if hc <= 1:
             raise ConfigError(f"Flash-Next needs hc_count > 1, got {hc}")

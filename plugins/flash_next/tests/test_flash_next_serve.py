@@ -4,6 +4,8 @@ turn served from the context cache (GDN, PLE and indexer state restored) whose g
 a server without prefix reuse, and the residency options (experts on host / disk, n-gram rows in
 RAM / from a mapping) giving the device-resident output, with their counters in /stats."""
 
+import json
+
 import httpx
 import pytest
 from conftest import plugin_flags
@@ -112,3 +114,26 @@ def test_bad_option_value_stops_startup(converted, launch, tmp_path):
     with pytest.raises(RuntimeError) as e:
         launch(converted, *plugin_flags(), "--expert-residency", "disk", "--expert-cache-mib", "0", log_dir=tmp_path)
     assert "needs a device expert cache" in str(e.value)
+
+
+def test_spec_mtp_keeps_greedy_output(mtp_artifact_path, launch, tmp_path):
+    """The artifact's MTP block drafts through --spec mtp; verification keeps the greedy output."""
+    prompts = ["The quick brown fox", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
+    plain = launch(mtp_artifact_path, *plugin_flags(), *FLAGS, log_dir=tmp_path)
+    try:
+        c = openai.OpenAI(base_url=plain.api_base, api_key="none", max_retries=0)
+        want = [_ask(c, p, 16).choices[0].message.content for p in prompts]
+    finally:
+        plain.stop()
+    log = tmp_path / "requests.jsonl"
+    spec = launch(mtp_artifact_path, *plugin_flags(), *FLAGS, "--spec", "mtp", "--draft-tokens", "3",
+                  "--request-log-jsonl", str(log), log_dir=tmp_path)
+    try:
+        c = openai.OpenAI(base_url=spec.api_base, api_key="none", max_retries=0)
+        assert [_ask(c, p, 16).choices[0].message.content for p in prompts] == want
+    finally:
+        spec.stop()
+    done = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "request_done"]
+    assert len(done) == 2
+    for rec in done:  # the drafts came from the MTP block and were verified
+        assert rec["speculative"]["backend"] == "mtp" and rec["speculative"]["drafted_tokens"] > 0
