@@ -50,6 +50,7 @@ class HostBank:
     """One layer's experts in host memory: fused [E, 2I, H] and [E, H, I]."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pin: bool):
+        gate_up, down = gate_up.to("cpu"), down.to("cpu")
         self.gate_up = gate_up.pin_memory() if pin else gate_up
         self.down = down.pin_memory() if pin else down
 

@@ -122,6 +122,10 @@ class FlashNextFamily(ModelFamily):
                 mtp = MtpHead(cfg.base)
             _assign(mtp, _fuse_experts({n.removeprefix("mtp."): artifact.get_tensor(n) for n in mtp_names}),
                     run_dtype, dev)
+        if dev.type == "cuda":  # ninfer_qwen35's GDN kernels (Triton conv + delta step, fla prefill)
+            from ninfer_flash_next.gpu.gdn import use_kernels
+
+            use_kernels(model)
         tok = getattr(artifact, "tokenizer_section", None)
         eos = _eos_ids(tok) if isinstance(tok, dict) else ()
         return FlashNextRunner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, extras=extras)
@@ -156,6 +160,9 @@ class FlashNextFamily(ModelFamily):
             ple.hasher.check_buffers(*(hashes.get(f"layers.{layer}.ple.ple_embedding.{b}") for b in _HASH_BUFFERS),
                                      where)
             parts = sorted(tables.get(layer, []))
+            if parts and not hasattr(source, "tensor_file_range"):  # an in-memory source (bench weights)
+                ple.rows = NgramRows.resident(torch.cat([source.get_tensor(n) for _, n in parts]), counters)
+                continue
             if not parts:
                 raise LoadError(f"{where}.ngram_embedding: the n-gram table is not in "
                                 f"{'the table artifact' if path else 'the artifact'} (give --ngram-table PATH, "
@@ -201,7 +208,8 @@ class FlashNextFamily(ModelFamily):
         counters = ExpertCounters()
         cache = ExpertCache(slots, 2 * inter, hidden, inter, dtype, dev, counters) if slots else None
         counters.slots = slots
-        identity = (artifact.manifest.get("identity") or {}).get("model_id") or artifact.name
+        manifest = getattr(artifact, "manifest", None) or {}
+        identity = (manifest.get("identity") or {}).get("model_id") or getattr(artifact, "name", "model")
         geometry = {"layers": base.num_hidden_layers, "experts": e_count, "hidden": hidden, "inter": inter,
                     "dtype": str(dtype).removeprefix("torch.")}
         profile = None
@@ -260,3 +268,26 @@ def _read_hot_profile(path) -> list[int]:
     except ValueError:
         raise ValueError(f"--ngram-hot-profile {path}: expected row ids (a JSON list or one per line)") from None
     return [int(r) for r in rows]
+
+
+def _random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
+    """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as the
+    loader asks (`ninfer bench`, the GPU checks; nothing is written)."""
+    from ninfer_flash_next.gpu.random_model import RandomArtifact
+    from ninfer_qwen35.testing import minimal_tokenizer_section
+
+    kw.setdefault("tokenizer_section", minimal_tokenizer_section())
+    kw.setdefault("chat_template", QWEN35_TEMPLATE)
+    dev = torch.device(device)
+    return RandomArtifact(hf_config, device=dev, dtype=kw.pop("dtype", resolve_dtype(None, dev)), seed=seed, **kw)
+
+
+def _transformers_model(self, runner, hf_config: dict):
+    """transformers' model of the same weights, sharing `runner`'s tensors (no copy)."""
+    from ninfer_flash_next.gpu.random_model import transformers_model
+
+    return transformers_model(runner, hf_config)
+
+
+FlashNextFamily.random_artifact = _random_artifact
+FlashNextFamily.transformers_model = _transformers_model

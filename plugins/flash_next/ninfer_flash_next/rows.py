@@ -168,6 +168,17 @@ class NgramRows:
             self.hot = {r: i for i, r in enumerate(keep)}
             self.hot_data = self.file.read(keep) if keep else None
 
+    @classmethod
+    def resident(cls, table: torch.Tensor, counters: RowCounters | None = None) -> NgramRows:
+        """Rows of a table already in memory (an artifact-like source without a file: the bench's
+        random weights), served as `ram` residency."""
+        self = cls.__new__(cls)
+        self.table = TableFile("<memory>", ((0, table.shape[0], 0),), table.shape[1], table.dtype)
+        self.residency, self.file, self.full = "ram", None, table
+        self.hot, self.hot_data, self.cache, self.cache_rows = {}, None, OrderedDict(), 0
+        self.counters = counters if counters is not None else RowCounters()
+        return self
+
     def fetch(self, ids: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         flat = ids.reshape(-1).tolist()
@@ -175,7 +186,7 @@ class NgramRows:
         c.rows += len(flat)
         c.batches += 1
         if self.full is not None:
-            out = self.full[ids.reshape(-1)]
+            out = self.full[ids.reshape(-1).to(self.full.device)]
             c.resident_rows += len(flat)
         else:
             uniq = list(dict.fromkeys(flat))
