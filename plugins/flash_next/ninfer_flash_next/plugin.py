@@ -48,7 +48,8 @@ def ninfer_register_model_families(register):
 
 @hookimpl
 def ninfer_register_bench_shapes(register):
-    register("qwen3.8-flash-next", "ninfer_flash_next.shapes:FLASH_NEXT")
+    # the first 4 layers at the real widths (the whole model does not fit one GPU: shapes.bench_config)
+    register("qwen3.8-flash-next-4l", "ninfer_flash_next.shapes:FLASH_NEXT_4L")
 
 
 @hookimpl
