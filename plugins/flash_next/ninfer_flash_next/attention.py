@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 
 import torch
+from ninfer_qwen35.attention import GatedAttention, grouped_attention
+from ninfer_qwen35.layers import ZeroCenteredRMSNorm, apply_rotary
 from torch import nn
 
 from ninfer_flash_next.config import FlashNextConfig
-from ninfer_qwen35.attention import GatedAttention, grouped_attention
-from ninfer_qwen35.layers import ZeroCenteredRMSNorm, apply_rotary
 
 
 class Indexer(nn.Module):

@@ -13,6 +13,9 @@ import os
 import re
 
 import torch
+from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
+from ninfer_qwen35.family import LoadError, _assign, _eos_ids, _fuse_experts
+from ninfer_qwen35.mtp import MtpHead
 
 from ninfer_core.accel import resolve_dtype
 from ninfer_core.engine.model_api import ModelFamily
@@ -30,9 +33,6 @@ from ninfer_flash_next.experts import (
 from ninfer_flash_next.model import FlashNextModel
 from ninfer_flash_next.rows import NgramRows, RowCounters, TableFile
 from ninfer_flash_next.runner import FlashNextRunner
-from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
-from ninfer_qwen35.family import LoadError, _assign, _eos_ids, _fuse_experts
-from ninfer_qwen35.mtp import MtpHead
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 _TABLE = re.compile(r"^layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding(?:\.shard_(\d+))?\.weight$")
@@ -217,6 +217,10 @@ class FlashNextFamily(ModelFamily):
         if out_path or in_path:
             profile = ExpertProfile(identity, geometry, base.num_hidden_layers, e_count)
             profile.out_path = os.fspath(out_path) if out_path else None
+            if profile.out_path:  # the counts of the last requests too (writes are throttled to one per 2 s)
+                import atexit
+
+                atexit.register(profile.maybe_write, True)
         banks = {}
         for layer in range(base.num_hidden_layers):
             entries = dict(experts.get(layer, []))
@@ -260,7 +264,8 @@ def _read_hot_profile(path) -> list[int]:
     import json
 
     try:
-        text = open(path, encoding="utf-8").read()
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
     except OSError as e:
         raise ValueError(f"--ngram-hot-profile {path}: {e.strerror}") from None
     try:
@@ -273,8 +278,9 @@ def _read_hot_profile(path) -> list[int]:
 def _random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
     """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as the
     loader asks (`ninfer bench`, the GPU checks; nothing is written)."""
-    from ninfer_flash_next.gpu.random_model import RandomArtifact
     from ninfer_qwen35.testing import minimal_tokenizer_section
+
+    from ninfer_flash_next.gpu.random_model import RandomArtifact
 
     kw.setdefault("tokenizer_section", minimal_tokenizer_section())
     kw.setdefault("chat_template", QWEN35_TEMPLATE)

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from ninfer_qwen35.gdn import GatedDeltaNet
+from ninfer_qwen35.layers import RotaryEmbedding
+from ninfer_qwen35.moe import SparseMoeBlock
 from torch import nn
 
 from ninfer_flash_next.attention import IndexedAttention
 from ninfer_flash_next.config import FlashNextConfig
 from ninfer_flash_next.hyper import GatedResidual
 from ninfer_flash_next.ple import PLELayer
-from ninfer_qwen35.gdn import GatedDeltaNet
-from ninfer_qwen35.layers import RotaryEmbedding
-from ninfer_qwen35.moe import SparseMoeBlock
 
 
 class SigmoidGatedRMSNorm(nn.Module):

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from ninfer_qwen35.context import CacheTensors
+from ninfer_qwen35.runner import ATTN_GROUP, Qwen35Runner
 
 from ninfer_core.engine.model_api import PAGE_SIZE, CacheSpec, KVGroup
 from ninfer_flash_next.config import FlashNextConfig
-from ninfer_qwen35.context import CacheTensors
-from ninfer_qwen35.runner import ATTN_GROUP, Qwen35Runner
 
 
 @dataclass

@@ -55,7 +55,7 @@ def test_bf16_parity_with_transformers_at_real_widths(setup):
 def test_host_experts_give_the_device_logits(setup):
     from ninfer_core.engine.model_api import SeqView
 
-    fam, cfg, art, toks = setup
+    fam, _cfg, art, toks = setup
     outs = []
     for opts in (None, SimpleNamespace(expert_residency="host", expert_cache_mib=2048)):
         r = fam.load(art, device="cuda", options=opts)

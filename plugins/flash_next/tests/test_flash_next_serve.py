@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+
 from conftest import plugin_flags
 
 pytest.importorskip("openai")

@@ -101,7 +101,7 @@ def test_a_small_cache_evicts_and_still_matches(art, reference):
 
 def test_expert_profile_round_trip(art, reference, tmp_path):
     path = tmp_path / "experts.json"
-    _, r = logits(art, opts(expert_residency="host", expert_cache_mib=1, expert_profile_out=str(path)))
+    logits(art, opts(expert_residency="host", expert_cache_mib=1, expert_profile_out=str(path)))
     doc = json.loads(path.read_text())
     assert doc["format"] == "ninfer-expert-profile" and sum(map(sum, doc["counts"].values())) == len(TOKS) * 16
     out, r2 = logits(art, opts(expert_residency="host", expert_cache_mib=1, expert_profile=str(path)))

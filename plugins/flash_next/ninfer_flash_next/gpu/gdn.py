@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from ninfer_qwen35.gdn import GatedDeltaNet
 from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu.fla_glue import gdn_prefill

@@ -21,7 +21,7 @@ PREFIX = "model."
 class RandomArtifact:
     path = "<random>"
     chat_template = None
-    components = ["text"]
+    components = ("text",)
 
     def __init__(self, hf_config: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0, name="random",
                  tokenizer_section: dict | None = None, chat_template: str | None = None, mtp: bool = False):
@@ -51,7 +51,7 @@ class RandomArtifact:
             with torch.device("meta"):
                 head = MtpHead(cfg.base)
             self._shapes.update({"mtp." + n: tuple(p.shape) for n, p in head.named_parameters()})
-            self.components = ["text", "mtp"]
+            self.components = ("text", "mtp")
         self.cfg = cfg
 
     def tensor_names(self, component=None) -> list[str]:
