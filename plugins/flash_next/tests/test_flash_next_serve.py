@@ -138,3 +138,17 @@ def test_spec_mtp_keeps_greedy_output(mtp_artifact_path, launch, tmp_path):
     assert len(done) == 2
     for rec in done:  # the drafts came from the MTP block and were verified
         assert rec["speculative"]["backend"] == "mtp" and rec["speculative"]["drafted_tokens"] > 0
+    # --draft-min-p 0.999: a random model's drafts are never that sure, so every MTP round verifies
+    # through its first draft only; the output stays the greedy one
+    log2 = tmp_path / "requests-min-p.jsonl"
+    spec = launch(mtp_artifact_path, *plugin_flags(), *FLAGS, "--spec", "mtp", "--draft-tokens", "3",
+                  "--draft-min-p", "0.999", "--ngram-draft-tokens", "0", "--request-log-jsonl", str(log2),
+                  log_dir=tmp_path)
+    try:
+        c = openai.OpenAI(base_url=spec.api_base, api_key="none", max_retries=0)
+        assert [_ask(c, p, 16).choices[0].message.content for p in prompts] == want
+    finally:
+        spec.stop()
+    for rec in [r for r in map(json.loads, log2.read_text().splitlines()) if r.get("event") == "request_done"]:
+        sp = rec["speculative"]
+        assert sp["rounds"] > 0 and sp["drafted_tokens"] == sp["rounds"], sp
