@@ -18,4 +18,5 @@ FAMILY_PACKAGES = {
     "gemma4": "ninfer-gemma4",
     "gemma4_text": "ninfer-gemma4",
     "qwen4_exp": "ninfer-flash-next",
+    "qwen4_exp_text": "ninfer-flash-next",
 }

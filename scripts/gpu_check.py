@@ -19,6 +19,11 @@ acceptance (`ninfer bench --spec oracle --spec-k 7,15`).
 Pipeline stages (issue 26, on nvidia-h200-x2): `--order pipeline` runs scripts/pipeline_check.py:
 the 27B shape whole on one GPU, then split over two as pipeline stages (NCCL), prefill and
 batched decode in the same call, greedy tokens compared (a table; the PIPELINE line last).
+
+Qwen3.8-Flash-Next (issue 25): `--order flash_next` runs plugins/flash_next's CUDA checks (bf16
+parity with transformers at the real widths past the indexer's dense threshold, host experts equal
+to device ones) and `python -m ninfer_flash_next.gpu.bench` (prefill and decode against transformers,
+host-resident experts' decode rate against the measured host-to-device bandwidth).
 """
 
 from __future__ import annotations
@@ -157,7 +162,6 @@ def main() -> int:
             start = text.find("speculative rounds")
             summary.append(text[start:].strip() if start >= 0 else text[-3000:])
 
-
     def part_pipeline():
         left = a.budget - (time.monotonic() - t_start)
         rc, dt, text = run([sys.executable, os.path.join(ROOT, "scripts", "pipeline_check.py"),
@@ -166,8 +170,26 @@ def main() -> int:
         start = text.find("pipeline check")
         summary.append(text[start:].strip() if start >= 0 else text[-4000:])
 
+    def part_flash_next():
+        left = a.budget - (time.monotonic() - t_start)
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            "plugins/flash_next/tests/test_flash_next_gpu.py"],
+                           os.path.join(a.out, "flash_next.log"), max(60, min(150, left - 120)))
+        summary.append(f"== Flash-Next GPU checks rc={rc} in {dt:.0f} s")
+        summary.extend(ln for ln in text.splitlines() if ln.startswith("PARITY") or " passed" in ln
+                       or " failed" in ln)
+        if rc != 0:
+            summary.append(text[-4000:])
+        left = a.budget - (time.monotonic() - t_start)
+        js = os.path.join(a.out, "flash_next_bench.json")
+        rc, dt, text = run([sys.executable, "-m", "ninfer_flash_next.gpu.bench", "--json", js],
+                           os.path.join(a.out, "flash_next_bench.log"), max(60, left - 10))
+        summary.append(f"== Flash-Next bench rc={rc} in {dt:.0f} s")
+        start = text.find("flash-next bench")
+        summary.append(text[start:].strip() if start >= 0 else text[-3000:])
+
     parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4,
-             "dflash": part_dflash, "pipeline": part_pipeline}
+             "dflash": part_dflash, "pipeline": part_pipeline, "flash_next": part_flash_next}
     for name in a.order.split(","):
         parts[name.strip()]()
 

@@ -245,7 +245,15 @@ class Engine:
                 "context_cache": self.cache.snapshot() if self.cache is not None else None,
                 "speculative": self.rounds.describe(),
                 "failed": self.recovery.failure,
+                # the family's own counter blocks (GET /stats shows each under its name)
+                "model": self._model_counters(),
             }
+
+    def _model_counters(self) -> dict[str, Any]:
+        try:
+            return dict(self.runner.counters() or {})
+        except Exception:  # noqa: BLE001 - a stats probe must answer even if a family's report fails
+            return {}
 
     def run_control(self, fn) -> "concurrent.futures.Future":
         """Run `fn()` on the worker at the next boundary, with no forward in flight (slot save and

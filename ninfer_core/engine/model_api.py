@@ -319,6 +319,11 @@ class ModelRunner(ABC):
         """Turn a draft head on (before `allocate_cache`): its KV joins the cache spec."""
         raise ValueError(f"this model has no draft head {name!r}")
 
+    def counters(self) -> dict:
+        """Family-defined counter blocks since load, {block name: {counter: value}} (GET /stats lists
+        each block under its name, e.g. host-resident experts' hits); {} by default."""
+        return {}
+
     def configure(self, options: RunnerOptions) -> None:
         """Load-time switches (CUDA Graphs, the verify widths to prepare); before allocate_cache."""
 

@@ -174,6 +174,10 @@ def stats_report(ctx: ServerContext) -> dict[str, Any]:
                                "wait_seconds": round(float(q.get("wait_seconds", 0.0)), 3)} for q in queue]},
     })
     report["requests"]["peak_admitted"] = ctx.ingress.peak
+    model = snap.get("model") if isinstance(snap.get("model"), dict) else {}
+    for name, block in model.items():  # the model family's own blocks; never over a core key
+        if isinstance(block, dict):
+            report.setdefault(name, block)
     return report
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ninfer_core.engine.model_api import PAGE_SIZE, DraftStep
+from ninfer_core.engine.model_api import PAGE_SIZE, DraftHead, DraftStep
 from ninfer_core.engine.spec import DraftLane, Proposal, RoundReport, SpecBackend
 from ninfer_spec_mtp.adaptive import AdaptiveWidth
 from ninfer_spec_mtp.proposal import ProposalHead
@@ -36,6 +36,10 @@ class SpecOptionError(ValueError):
 def check_options(options) -> None:
     """The option checks that need no model (called before the port is bound)."""
     k = getattr(options, "draft_tokens", None) or DEFAULT_DRAFTS
+    min_p = getattr(options, "draft_min_p", 0.0) or 0.0
+    if min_p and getattr(options, "lm_head_draft", False):
+        raise SpecOptionError("--draft-min-p reads the draft probabilities of the full output head; "
+                              "it cannot be used with --lm-head-draft")
     if getattr(options, "lm_head_draft", False) and getattr(options, "full_draft_head", False):
         raise SpecOptionError("--lm-head-draft and --full-draft-head contradict each other; give one")
     window = getattr(options, "mtp_attention_window", 0) or 0
@@ -47,8 +51,10 @@ class MtpBackend(SpecBackend):
     name = "mtp"
 
     def __init__(self, runner, head, draft_tokens: int, proposal: ProposalHead | None = None,
-                 window: int = 0, adaptive: bool = False):
+                 window: int = 0, adaptive: bool = False, min_p: float = 0.0):
         self.runner = runner
+        self.min_p = min_p
+        self._probs: list = []  # --draft-min-p: each chain step's draft probabilities [B]
         self.head = head
         self.draft_tokens = draft_tokens
         self.proposal = proposal
@@ -68,14 +74,20 @@ class MtpBackend(SpecBackend):
             raise SpecOptionError("--spec mtp needs an artifact with an MTP head (the checkpoint's mtp.* tensors, "
                                   "kept by ninfer convert); this one has none")
         head = runner.enable_draft_head("mtp")
+        min_p = getattr(options, "draft_min_p", 0.0) or 0.0
+        if min_p and type(head).chain is not DraftHead.chain:
+            # the probabilities are read beside the picks, which a head that captures its chain in a
+            # CUDA Graph cannot hand out; the spec names this option for Flash-Next's MTP
+            raise SpecOptionError("--draft-min-p needs a draft head that runs its chain step by step "
+                                  "(Flash-Next's MTP); this model's head runs the chain as one graph")
         proposal = None
-        if not getattr(options, "full_draft_head", False):
+        if not min_p and not getattr(options, "full_draft_head", False):  # min-p reads the full head's probabilities
             proposal = ProposalHead.from_artifact(artifact, runner.device, getattr(runner, "dtype", None))
         if getattr(options, "lm_head_draft", False) and proposal is None:
             raise SpecOptionError("--lm-head-draft needs an artifact that stores a proposal head "
                                   "(ninfer convert --mtp-proposal-head N); this one has none")
         return cls(runner, head, k, proposal, getattr(options, "mtp_attention_window", 0) or 0,
-                   bool(getattr(options, "adaptive_mtp", False)))
+                   bool(getattr(options, "adaptive_mtp", False)), min_p)
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -84,7 +96,7 @@ class MtpBackend(SpecBackend):
         return (self.draft_tokens + 1,)
 
     def describe(self) -> dict:
-        return {"backend": self.name, "draft_tokens": self.draft_tokens,
+        return {"backend": self.name, "draft_tokens": self.draft_tokens, "draft_min_p": self.min_p,
                 "draft_head": "proposal" if self.proposal is not None else "full",
                 "proposal_rows": self.proposal.rows if self.proposal is not None else None,
                 "attention_window": self.window, "adaptive": self.adaptive is not None}
@@ -121,10 +133,22 @@ class MtpBackend(SpecBackend):
                         else next(iter(lane.tables.values())))
             table, kv_len = self._tables(full, self._window_start(lane), lane.position, steps)
             rows.append(DraftStep(lane.slot, lane.position, lane.token, table, None, full, kv_len))
-        ids = self.head.chain(rows, steps, self._pick).tolist()
+        self._probs = []
+        ids = self.head.chain(rows, steps, self._pick_min_p if self.min_p else self._pick).tolist()
+        probs = torch.stack(self._probs, 1).tolist() if self.min_p else None  # [B, steps]
         for j, i in enumerate(active):
-            out[i] = Proposal([int(t) for t in ids[j][: lanes[i].max_drafts]])
+            keep = lanes[i].max_drafts
+            if probs is not None:  # through the first draft at or below --draft-min-p
+                low = next((s for s, p in enumerate(probs[j][:keep]) if p <= self.min_p), None)
+                keep = keep if low is None else low + 1
+            out[i] = Proposal([int(t) for t in ids[j][:keep]])
         return out
+
+    def _pick_min_p(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax draft, keeping its probability under the full head (--draft-min-p)."""
+        p, ids = torch.softmax(self.runner.logits(hidden).float(), dim=-1).max(dim=-1)
+        self._probs.append(p)
+        return ids
 
     def _pick(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft token of each row (device tensor ops only: it runs inside the chain's graph)."""

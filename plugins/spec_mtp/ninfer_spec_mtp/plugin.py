@@ -23,6 +23,16 @@ def window_size(s: str) -> int:
     return v
 
 
+def min_probability(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability, not {s!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {v}")
+    return v
+
+
 @hookimpl
 def ninfer_register_spec_backends(register):
     register("mtp", "ninfer_spec_mtp.backend:MtpBackend")
@@ -44,3 +54,6 @@ def ninfer_add_serve_options(add):
     add("--mtp-attention-window", type=window_size, default=0, metavar="N",
         help="the MTP draft attends to the first 64 keys and the newest N (at least --draft-tokens + 1, whole "
              "64-key pages) before its query; verification keeps full attention (default 0: whole history)")
+    add("--draft-min-p", type=min_probability, default=0.0, metavar="P",
+        help="verify through the first draft whose probability under the draft head is at or below P; the "
+             "full draft chain still runs (a draft head that runs its chain eagerly: Flash-Next; default 0: off)")
