@@ -20,6 +20,7 @@ from ninfer_core.artifact.format import (
     crc32,
     crc_hex,
     dtype_info,
+    stored_encoding,
     header_crc_field,
     itemsize,
     ordered_components,
@@ -73,7 +74,7 @@ def write_artifact(path, manifest: dict, tensors: list[TensorSpec], progress: bo
     table: dict[str, dict] = {}
     for s in specs:
         entry = dict(given.get(s.name) or {})
-        entry["encoding"] = dtype_info(s.dtype).encoding
+        entry["encoding"] = stored_encoding(dtype_info(s.dtype), entry.get("encoding"))
         entry.setdefault("component", component_of(s.name))
         entry["crc32"] = CRC_PLACEHOLDER
         table[s.name] = entry

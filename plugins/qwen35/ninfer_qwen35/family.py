@@ -15,6 +15,8 @@ import torch
 
 from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests and tools import it here)
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.quant.weight import QuantizedWeight
+from ninfer_core.quant.transform import apply_load_encodings, encoded_weight, is_encoded_or_scale, set_weight
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.model import Qwen35TextModel
@@ -51,13 +53,16 @@ class Qwen35Family(ModelFamily):
 
         with torch.device("meta"):
             model = Qwen35TextModel(cfg)
-        state = _text_state(artifact, text_names, cfg)
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        encoded = _encoded_state(artifact, text_names, run_dtype, dev)
+        state = _text_state(artifact, [n for n in text_names if not is_encoded_or_scale(artifact, n)], cfg)
+        tied = cfg.tie_word_embeddings or ("lm_head.weight" not in state and "lm_head.weight" not in encoded)
         if tied:
             state.pop("lm_head.weight", None)
-        _assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if tied else set())
+        _assign(model, state, run_dtype, dev, skip=set(encoded) | ({"lm_head.weight"} if tied else set()))
+        _assign_encoded(model, encoded)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
+        apply_load_encodings(model, options)
         model.init_rotary(dev)
 
         mtp = None
@@ -111,6 +116,32 @@ def _text_state(artifact, names: list[str], cfg: Qwen35Config) -> dict[str, torc
     return _fuse_experts(state)
 
 
+def _encoded_state(artifact, names: list[str], dtype, device) -> dict:
+    """{param name: QuantizedWeight} of the artifact's encoded text weights (per-expert weights
+    fused into the [E, 2I, H] / [E, H, I] layout by stacking their packed rows and scales)."""
+    table = artifact.manifest["tensors"]
+    enc_names = [n for n in names if (table.get(n) or {}).get("scale")]
+    if not enc_names:
+        return {}
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), "")
+    state = {}
+    for n in enc_names:
+        key = n[len(prefix):] if n.startswith(prefix) else n
+        state[key] = encoded_weight(artifact, n, dtype, device)
+    return _fuse_experts(state)
+
+
+def _assign_encoded(module: torch.nn.Module, encoded: dict) -> None:
+    params = dict(module.named_parameters())
+    for name, w in encoded.items():
+        p = params.get(name)
+        if p is None:
+            raise LoadError(f"encoded weight {name} does not fit the config: the model has no such parameter")
+        if tuple(w.shape) != tuple(p.shape):
+            raise LoadError(f"{name}: stored shape {tuple(w.shape)}, config expects {tuple(p.shape)}")
+        set_weight(module, name, w)
+
+
 def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert MoE weights -> the fused [E, 2I, H] / [E, H, I] parameters (a copy)."""
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
@@ -125,9 +156,17 @@ def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             down = [projs["down_proj"][i] for i in range(e)]
         except KeyError as exc:
             raise LoadError(f"{pre}: incomplete per-expert weights (missing {exc})") from None
-        state[pre + ".gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
-        state[pre + ".down_proj"] = torch.stack(down)
+        state[pre + ".gate_up_proj"] = _stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        state[pre + ".down_proj"] = _stack(down)
     return state
+
+
+def _stack(parts: list):
+    if isinstance(parts[0], QuantizedWeight):  # encoded experts: stack the packed rows and scales
+        f = parts[0]
+        return QuantizedWeight(torch.stack([p.qdata for p in parts]), torch.stack([p.scale for p in parts]),
+                               f.enc, f.in_features, f.dtype)
+    return torch.stack(parts)
 
 
 def _assign(module: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, skip=()) -> None:

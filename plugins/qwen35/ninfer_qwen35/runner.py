@@ -48,7 +48,9 @@ class Qwen35Runner(ModelRunner):
         self.draft = None  # the enabled MtpDraftHead, or None
         # verify segments of the last forward not committed yet: {slot: (layer states, final hidden [T, H])}
         self._uncommitted: dict[int, tuple[dict, torch.Tensor]] = {}
-        n_params = sum(p.numel() for p in model.parameters())
+        from ninfer_core.quant.transform import encoded_params
+
+        n_params = sum(p.numel() for p in model.parameters()) + encoded_params(model)
         self.info = ModelInfo(
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,
