@@ -9,12 +9,14 @@ checkpoints) and `model.*` (the text-only CausalLM). MoE experts may be stored f
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests and tools import it here)
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.quant.kv import kv_format
 from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_core.quant.transform import apply_load_encodings, encoded_weight, is_encoded_or_scale, set_weight
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
@@ -27,6 +29,9 @@ TEXT_PREFIXES = ("model.language_model.", "model.")
 _PER_EXPERT = re.compile(
     r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
+
+log = logging.getLogger("ninfer.qwen35")
+
 
 class LoadError(ValueError):
     """The artifact's tensors do not fit the model its config describes."""
@@ -75,11 +80,16 @@ class Qwen35Family(ModelFamily):
         tok = getattr(artifact, "tokenizer_section", None)
         if isinstance(tok, dict):
             eos = _eos_ids(tok)
-        if dev.type == "cuda":  # the fast path: fused projections, Triton/fla kernels, CUDA Graphs
+        kv = kv_format(getattr(options, "kv_dtype", None))
+        extra = dict(kv_format=kv, gdn_state_fp16=bool(getattr(options, "gdn_state_fp16", False)))
+        if dev.type == "cuda" and not kv.quantized:  # the fast path: fused projections, Triton/fla kernels, graphs
             from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
-            return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
-        return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
+            return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
+        if dev.type == "cuda":
+            log.warning("--kv-dtype %s: the CUDA attention kernels read bf16 pages only; this model runs the "
+                        "reference path on the device (slow)", kv.name)
+        return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
 
     def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
         """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device`
