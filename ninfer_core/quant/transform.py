@@ -221,3 +221,30 @@ def apply_load_encodings(model: nn.Module, options, head: str = "lm_head.weight"
         quantize_loaded(model, embedding, want["embedding"])
     if "lm_head" in want:
         quantize_loaded(model, head, want["lm_head"])
+
+
+def quantize_model(model: nn.Module, enc: Encoding, scale_dtype=torch.bfloat16) -> int:
+    """Encode a built model's projection weights in place (`ninfer bench --quantize`: random weights
+    drawn on the device, so there is no artifact to convert); returns how many were encoded."""
+    n = 0
+    for name, p in list(model.named_parameters()):
+        if should_encode(name, tuple(p.shape), "text", enc):
+            set_weight(model, name, QuantizedWeight.from_float(p.detach(), enc, scale_dtype, dtype=p.dtype))
+            n += 1
+    return n
+
+
+def named_weights(model: nn.Module):
+    """(name, weight) of every parameter and encoded weight, each object once."""
+    seen = set()
+    for mname, m in model.named_modules():
+        items = list(m._parameters.items()) + [(k, v) for k, v in vars(m).items() if isinstance(v, QuantizedWeight)]
+        for k, v in items:
+            if v is None or id(v) in seen:
+                continue
+            seen.add(id(v))
+            yield (f"{mname}.{k}" if mname else k), v
+
+
+def stored_bytes(w) -> int:
+    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()

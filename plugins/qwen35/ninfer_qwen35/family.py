@@ -18,7 +18,13 @@ from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests a
 from ninfer_core.engine.model_api import ModelFamily
 from ninfer_core.quant.kv import kv_format
 from ninfer_core.quant.weight import QuantizedWeight
-from ninfer_core.quant.transform import apply_load_encodings, encoded_weight, is_encoded_or_scale, set_weight
+from ninfer_core.quant.transform import (
+    apply_load_encodings,
+    encoded_weight,
+    is_encoded_or_scale,
+    quantize_model,
+    set_weight,
+)
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.model import Qwen35TextModel
@@ -68,6 +74,8 @@ class Qwen35Family(ModelFamily):
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
         apply_load_encodings(model, options)
+        if getattr(options, "quantize", None) is not None:  # `ninfer bench --quantize` (random weights)
+            quantize_model(model, options.quantize)
         model.init_rotary(dev)
 
         mtp = None
