@@ -170,13 +170,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "per token and KV head (a registered KV dtype; rk8v4, rk4v4, rk4v4-e8, rk2v4-e8 and nvfp4 are "
                         "not built yet)")
     g.add_argument("--lm-head-q4", dest="lm_head_q", action="store_const", const="q4", default=None,
-                   help="store the output head as groupwise Q4 while loading")
+                   help="store the output head as groupwise Q4 while loading (default: off)")
     g.add_argument("--lm-head-q6", dest="lm_head_q", action="store_const", const="q6",
-                   help="store the output head as groupwise Q6 while loading")
+                   help="store the output head as groupwise Q6 while loading (default: off)")
     g.add_argument("--embedding-q4", dest="embedding_q", action="store_const", const="q4", default=None,
-                   help="store the token embedding as groupwise Q4 while loading")
+                   help="store the token embedding as groupwise Q4 while loading (default: off)")
     g.add_argument("--embedding-q6", dest="embedding_q", action="store_const", const="q6",
-                   help="store the token embedding as groupwise Q6 while loading")
+                   help="store the token embedding as groupwise Q6 while loading (default: off)")
     g.add_argument("--device", default="auto", metavar="DEV", help="cpu, cuda, cuda:N or auto (cuda when torch sees a GPU)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="run decode rounds eagerly instead of replaying captured CUDA Graphs")

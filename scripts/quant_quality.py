@@ -58,8 +58,9 @@ def scores(artifact: str, samples, per_kind: int, prose_docs: int, serve_args=()
 def tiny_table(per_kind: int, prose_docs: int, out_dir: str) -> str:
     import argparse as ap
 
-    from ninfer_core.quant.kv import kv_format
     from ninfer_tiny.data import eval_prompts
+
+    from ninfer_core.quant.kv import kv_format
 
     samples = eval_prompts(1, per_kind)
     src = tiny_artifact()
@@ -90,14 +91,14 @@ def drift_table(tokens: int = 96, steps: int = 16) -> str:
     import argparse as ap
 
     import torch
+    from ninfer_qwen35.family import Qwen35Family
+    from ninfer_qwen35.testing import build_tiny_artifact
 
     from ninfer_core.artifact import Artifact
     from ninfer_core.artifact.convert import convert_artifact
     from ninfer_core.engine.model_api import SeqView
     from ninfer_core.quant.kv import kv_format
     from ninfer_core.quant.transform import convert_encoding
-    from ninfer_qwen35.family import Qwen35Family
-    from ninfer_qwen35.testing import build_tiny_artifact
 
     tmp = tempfile.mkdtemp(prefix="ninfer-drift-")
     src = build_tiny_artifact(os.path.join(tmp, "random.ninfer"), hidden=512, num_layers=4, vocab_size=2048,

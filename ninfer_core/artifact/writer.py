@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ninfer_core.artifact.format import (
+    CRC_PLACEHOLDER,
     FORMAT_VERSION,
     HEADER_ALIGN,
-    CRC_PLACEHOLDER,
     HEADER_CRC_KEY,
     MANIFEST_KEY,
     ArtifactError,
@@ -20,10 +20,10 @@ from ninfer_core.artifact.format import (
     crc32,
     crc_hex,
     dtype_info,
-    stored_encoding,
     header_crc_field,
     itemsize,
     ordered_components,
+    stored_encoding,
 )
 from ninfer_core.artifact.progress import ByteProgress
 

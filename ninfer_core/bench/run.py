@@ -65,8 +65,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON here")
     p.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
                    help="encode the random model's projection weights as `ninfer convert --quantize` would "
-                        "(decode floors count the packed bytes)")
-    p.add_argument("--group-size", type=int, default=None, metavar="N", help="input columns per scale (--quantize)")
+                        "(decode floors count the packed bytes; default: none)")
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="input columns per scale with --quantize (default: 128, fp8 per row)")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
     from ninfer_core.bench.replay import add_replay_arguments

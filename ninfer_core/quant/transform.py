@@ -196,7 +196,7 @@ def encoded_params(module: nn.Module) -> int:
 
 
 def is_encoded_or_scale(artifact, name: str) -> bool:
-    info = artifact.manifest["tensors"].get(name) or {}
+    info = (getattr(artifact, "manifest", None) or {}).get("tensors", {}).get(name) or {}
     return bool(info.get("scale") or info.get("scale_of"))
 
 

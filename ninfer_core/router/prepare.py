@@ -66,6 +66,8 @@ def prepare(options: ServeOptions, host: Any) -> Prepared:
         raise PrepareError(f"cannot open artifact {path}: {e}") from None
     try:
         family_reg = host.family_for_architecture(artifact.architecture)
+        from ninfer_core.server.loader import resolve_kv_dtype
+
         options.kv_format = resolve_kv_dtype(host, options.engine.kv_dtype)
         if options.chat_template:
             template = resolve_chat_template(options.chat_template)

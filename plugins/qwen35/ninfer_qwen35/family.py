@@ -17,7 +17,6 @@ import torch
 from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests and tools import it here)
 from ninfer_core.engine.model_api import ModelFamily
 from ninfer_core.quant.kv import kv_format
-from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_core.quant.transform import (
     apply_load_encodings,
     encoded_weight,
@@ -25,6 +24,7 @@ from ninfer_core.quant.transform import (
     quantize_model,
     set_weight,
 )
+from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.model import Qwen35TextModel
@@ -137,14 +137,14 @@ def _text_state(artifact, names: list[str], cfg: Qwen35Config) -> dict[str, torc
 def _encoded_state(artifact, names: list[str], dtype, device) -> dict:
     """{param name: QuantizedWeight} of the artifact's encoded text weights (per-expert weights
     fused into the [E, 2I, H] / [E, H, I] layout by stacking their packed rows and scales)."""
-    table = artifact.manifest["tensors"]
+    table = (getattr(artifact, "manifest", None) or {}).get("tensors", {})  # artifact-like sources may have none
     enc_names = [n for n in names if (table.get(n) or {}).get("scale")]
     if not enc_names:
         return {}
     prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), "")
     state = {}
     for n in enc_names:
-        key = n[len(prefix):] if n.startswith(prefix) else n
+        key = n.removeprefix(prefix)
         state[key] = encoded_weight(artifact, n, dtype, device)
     return _fuse_experts(state)
 
