@@ -94,6 +94,12 @@ def build_parser(host=None) -> argparse.ArgumentParser:
         c.add_argument(f"--{kind}", default=None, metavar="DIR",
                        help=f"also store a published {kind} drafter checkpoint (config.json + *.safetensors) as the "
                             f"artifact's {kind} component (--spec {kind} drafts through it; replaces one already stored)")
+    c.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                   help="encode the text model's projection weights (dense and MoE experts) groupwise int8/int4 or "
+                        "fp8 e4m3; embeddings, the output head, norms, MTP and vision stay as stored (default: none)")
+    c.add_argument("--group-size", type=integer(1), default=None, metavar="N",
+                   help="input columns per scale: 32, 64 or 128 (default: 128 for int8/int4, per row for fp8)")
+    c.add_argument("--scale-dtype", choices=("bf16", "f16"), default="bf16", help="dtype of the scales (default: bf16)")
     c.add_argument("--name", default=None, help="model name stored in the manifest (default: the directory name)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import Any
 
 # The argparse side lives in serve_options; these names stay importable from here.
 from ninfer_core.serve_options import (  # noqa: F401
@@ -23,7 +24,8 @@ from ninfer_core.serve_options import (  # noqa: F401
 @dataclass
 class EngineOptions:
     max_context: int = 8192
-    kv_capacity: int | None = None  # tokens; None follows max_context
+    kv_capacity: int | str | None = None  # tokens, or "auto" (sized by the Engine); None follows max_context
+    kv_headroom_mib: int = 1024  # device memory --kv-capacity auto leaves free
     max_concurrency: int = 1  # 1..8 lanes
     max_pending_requests: int = 16
     pending_timeout_ms: int = 600_000
@@ -79,6 +81,9 @@ class EngineOptions:
     recover_invariant_failures: bool = False
 
     def resolved_kv_capacity(self) -> int:
+        """Tokens of the pool; "auto" is resolved by the Engine (`ninfer_core.engine.budget.auto_kv_capacity`)."""
+        if self.kv_capacity == "auto":
+            raise ValueError("--kv-capacity auto is resolved against the loaded model's cache spec")
         return self.kv_capacity if self.kv_capacity is not None else self.max_context
 
     def resolved_decode_rounds(self) -> int:
@@ -158,6 +163,11 @@ class ServeOptions:
     plugins: list[str] = field(default_factory=list)
     spec: str | None = None  # --spec NAME: the speculative backend
     plugin_options: argparse.Namespace = field(default_factory=argparse.Namespace)  # what plugins added
+    # weight and KV encodings applied while loading (ninfer_core.quant): the resolved --kv-dtype
+    # target, --lm-head-q4|q6, --embedding-q4|q6
+    kv_format: Any = None
+    lm_head_q: str | None = None
+    embedding_q: str | None = None
     # llama-server compatibility (add_llamacpp_arguments)
     cors_origins: list[str] | None = None  # allow only these origins (implies CORS); "*", "localhost"
     no_slots: bool = False  # GET/POST /slots answer 501, as llama-server --no-slots does
@@ -216,6 +226,9 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         seed=a.seed, greedy=a.greedy, cuda_graph=not getattr(a, "no_cuda_graph", False),
         recover_invariant_failures=bool(getattr(a, "recover_invariant_failures", False)),
     )
+    if getattr(a, "kv_headroom_mib", None) is not None and a.kv_capacity != "auto":
+        raise ValueError("--kv-headroom-mib requires --kv-capacity auto")
+    eng.kv_headroom_mib = getattr(a, "kv_headroom_mib", None) or 1024
     from ninfer_core.engine.cache_options import apply_cache_arguments
 
     apply_cache_arguments(a, eng)
@@ -244,6 +257,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         no_thinking=a.no_thinking,
         preserve_thinking=a.preserve_thinking, max_request_mib=a.max_request_mib,
         log_level=a.log_level, usage_chunk_choice=a.usage_chunk_choice, plugins=list(a.plugin),
+        lm_head_q=getattr(a, "lm_head_q", None), embedding_q=getattr(a, "embedding_q", None),
         log_colours=getattr(a, "log_colours", None), log_stats_interval_ms=getattr(a, "log_stats_interval_ms", 5000),
         log_stats_panel=bool(getattr(a, "log_stats_panel", False)), api_docs=bool(getattr(a, "api_docs", False)),
         metrics_compat=list(getattr(a, "metrics_compat", None) or []),

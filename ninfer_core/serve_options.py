@@ -23,6 +23,19 @@ _SAMPLING_TYPES = {"temperature": number(0, 2), "top_p": number(0, 1, lo_open=Tr
                    "min_p": number(0, 1), "presence_penalty": number(-2, 2), "frequency_penalty": number(-2, 2)}
 
 
+def _kv_capacity(text: str):
+    """--kv-capacity: a positive token count or "auto"."""
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or auto, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _positive(lo: int, hi: int | None = None):
     return integer(lo, hi)
 
@@ -125,8 +138,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=_positive(1), default=8192, metavar="N",
                    help="logical context ceiling of each sequence, prompt and output; above the model's native window "
                         "it is accepted with a warning")
-    g.add_argument("--kv-capacity", type=_positive(1), default=None, metavar="N",
-                   help="tokens of the shared KV pool (default: --max-context)")
+    g.add_argument("--kv-capacity", type=_kv_capacity, default=None, metavar="N|auto",
+                   help="tokens of the shared KV pool, or auto: as many as the device memory left after the weights "
+                        "holds at the --kv-dtype's bytes per token, less --kv-headroom-mib (default: --max-context)")
+    g.add_argument("--kv-headroom-mib", "--vram-headroom-mib", type=_positive(0), default=None, metavar="N",
+                   help="device memory --kv-capacity auto leaves free after sizing the KV pool; requires auto "
+                        "(default: 1024)")
     g.add_argument("--max-concurrency", type=_positive(1, 8), default=1, metavar="N",
                    help="requests running at once (execution lanes), 1..8")
     g.add_argument("--max-pending-requests", type=_positive(0), default=16, metavar="N",
@@ -148,7 +165,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a broken internal invariant in the engine worker fails the running and admitting requests "
                         "and leaves the waiting ones queued, as recovery from out of memory does, instead of "
                         "failing the engine; eight consecutive recoveries still fail it")
-    g.add_argument("--kv-dtype", default="bf16", metavar="NAME", help="KV-cache storage format (a registered KV dtype)")
+    g.add_argument("--kv-dtype", default="bf16", metavar="NAME",
+                   help="KV-cache storage: bf16, int8, fp8 (e4m3) or k8v4 (int8 keys, int4 values), each quantised "
+                        "per token and KV head (a registered KV dtype; rk8v4, rk4v4, rk4v4-e8, rk2v4-e8 and nvfp4 are "
+                        "not built yet)")
+    g.add_argument("--lm-head-q4", dest="lm_head_q", action="store_const", const="q4", default=None,
+                   help="store the output head as groupwise Q4 while loading (default: off)")
+    g.add_argument("--lm-head-q6", dest="lm_head_q", action="store_const", const="q6",
+                   help="store the output head as groupwise Q6 while loading (default: off)")
+    g.add_argument("--embedding-q4", dest="embedding_q", action="store_const", const="q4", default=None,
+                   help="store the token embedding as groupwise Q4 while loading (default: off)")
+    g.add_argument("--embedding-q6", dest="embedding_q", action="store_const", const="q6",
+                   help="store the token embedding as groupwise Q6 while loading (default: off)")
     g.add_argument("--device", default="auto", metavar="DEV", help="cpu, cuda, cuda:N or auto (cuda when torch sees a GPU)")
     g.add_argument("--devices", default=None, metavar="A,B,...",
                    help="one pipeline stage per listed device (2 to 8: cuda:0,cuda:1 ...; cpu,cpu for a CPU test); "

@@ -24,6 +24,10 @@ Qwen3.8-Flash-Next (issue 25): `--order flash_next` runs plugins/flash_next's CU
 parity with transformers at the real widths past the indexer's dense threshold, host experts equal
 to device ones) and `python -m ninfer_flash_next.gpu.bench` (prefill and decode against transformers,
 host-resident experts' decode rate against the measured host-to-device bandwidth).
+
+Quantisation (issue 22): `--order quant --tests --bench` benches the 9B and 27B shapes with bf16,
+int8 and int4 weights (decode b1 against the packed-byte floor, prefill 4096 against bf16) and
+prints the tokens `--kv-capacity auto` fits with bf16 / int8 / k8v4 KV.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def main() -> int:
     ap.add_argument("--gemma4-tests", nargs="*", default=["plugins/gemma4/tests/test_gemma4_gpu.py",
                                                           "plugins/gemma4/tests/test_gemma4_serve.py"],
                     help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
+    ap.add_argument("--quant-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b"],
+                    help="shapes of the quantisation part (--order quant)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--pipeline-args", default="", help="extra arguments for scripts/pipeline_check.py")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
@@ -188,8 +194,45 @@ def main() -> int:
         start = text.find("flash-next bench")
         summary.append(text[start:].strip() if start >= 0 else text[-3000:])
 
+
+    def part_quant():
+        """Weight encodings (issue 22): decode b1 of int8/int4 against their packed-byte read floor,
+        prefill against bf16, and the tokens --kv-capacity auto fits in bf16 / int8 / k8v4 KV."""
+        rows = []
+        for shape in a.quant_shapes:
+            base_prefill = None
+            for enc in ("bf16", "int8", "int4"):
+                left = a.budget - (time.monotonic() - t_start)
+                if left < 45:
+                    summary.append(f"== quant {shape} {enc}: skipped, {left:.0f} s left")
+                    continue
+                tag = f"{shape.replace('/', '_')}-{enc}"
+                js = os.path.join(a.out, f"quant-{tag}.json")
+                cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js, "--no-hf",
+                       "--http-clients", "", "--decode-batches", "1", "--prefill-lens", "4096", "--long-context", "0",
+                       "--decode-steps", "48", "--repeats", "2", *(["--quantize", enc] if enc != "bf16" else [])]
+                rc, dt, text = run(cmd, os.path.join(a.out, f"quant-{tag}.log"), left - 10)
+                if rc != 0 or not os.path.exists(js):
+                    summary.append(f"== quant {shape} {enc} rc={rc} in {dt:.0f} s\n{text[-2500:]}")
+                    continue
+                with open(js) as f:
+                    res = json.load(f)
+                d1 = res["decode"].get("1") or res["decode"].get(1)
+                pre = (res.get("prefill") or {}).get("4096") or (res.get("prefill") or {}).get(4096) or {}
+                base_prefill = pre.get("tok_s") if enc == "bf16" else base_prefill
+                kv = res.get("kv_auto_tokens") or {}
+                rows.append(f"{shape:14} {enc:5} decode b1 {d1['total_tok_s']:8.1f} tok/s  floor "
+                            f"{d1['floor_total_tok_s']:8.1f}  x{d1['vs_floor']:.2f}   prefill 4096 "
+                            f"{pre.get('tok_s', 0):8.0f} tok/s  vs bf16 "
+                            f"{(pre.get('tok_s', 0) / base_prefill) if base_prefill else float('nan'):.2f}   "
+                            f"KV auto tokens bf16 {kv.get('bf16', 0):,} int8 {kv.get('int8', 0):,} "
+                            f"(x{kv.get('int8', 0) / max(1, kv.get('bf16', 0)):.2f}) k8v4 {kv.get('k8v4', 0):,}")
+        summary.append("== quantised weights / KV (targets: decode >= 0.8 of floor, prefill >= 0.8 of bf16, "
+                       "int8 9B > 434 tok/s, KV int8 ~2x tokens)")
+        summary.extend(rows)
+
     parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4,
-             "dflash": part_dflash, "pipeline": part_pipeline, "flash_next": part_flash_next}
+             "dflash": part_dflash, "pipeline": part_pipeline, "flash_next": part_flash_next, "quant": part_quant}
     for name in a.order.split(","):
         parts[name.strip()]()
 

@@ -259,7 +259,7 @@ def test_inspect_summary(hf_dir, tmp_path, capsys):
     assert f"text ({len(text_names)} tensors" in text
     assert "mtp (2 tensors" in text and "vision (2 tensors" in text
     assert f"parameters:     {total:,}" in text
-    assert "bf16 (" in text and "f32 (2 tensors)" in text and "f16 (1 tensor)" in text
+    assert "bf16 (" in text and "f32 (2 tensors, " in text and "f16 (1 tensor, " in text
     assert f"vocab {VOCAB_SIZE}, {len(ADDED)} added tokens" in text
     assert "<|im_end|>" in text
     assert f"chat template:  yes ({len(CHAT_TEMPLATE)} chars)" in text

@@ -23,6 +23,7 @@ def run_convert(args, check_manifest=None) -> int:
     drafters = {k: getattr(args, k) for k in ("dflash", "dflash2") if getattr(args, k, None)}
     progress = not getattr(args, "no_progress", False)
     try:
+        encoding = _encoding_of(args)
         if head is not None and not corpus:
             raise ArtifactError("--mtp-proposal-head needs --mtp-proposal-corpus FILE (UTF-8 text whose token "
                                 "counts pick the rows; ninfer-tiny's: python -m ninfer_tiny.corpus > corpus.txt)")
@@ -30,11 +31,11 @@ def run_convert(args, check_manifest=None) -> int:
             raise ArtifactError("--mtp-proposal-corpus is used with --mtp-proposal-head N")
         if os.path.isfile(args.hf_dir) and args.hf_dir.endswith(".ninfer"):
             manifest = convert_artifact(args.hf_dir, args.out, name=args.name, progress=progress,
-                                        proposal_head=head, corpus=corpus, drafters=drafters)
+                                        proposal_head=head, corpus=corpus, drafters=drafters, encoding=encoding)
         else:
             manifest = convert_hf_dir(args.hf_dir, args.out, name=args.name, progress=progress,
                                       proposal_head=head, corpus=corpus, check_manifest=check_manifest,
-                                      drafters=drafters)
+                                      drafters=drafters, encoding=encoding)
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -51,8 +52,39 @@ def run_convert(args, check_manifest=None) -> int:
     return 0
 
 
+def _encoding_of(args):
+    """(Encoding, scale dtype name) of --quantize/--group-size/--scale-dtype, or None."""
+    q = getattr(args, "quantize", None)
+    group = getattr(args, "group_size", None)
+    if q is None:
+        if group is not None:
+            raise ArtifactError("--group-size is used with --quantize int8|int4|fp8")
+        return None
+    from ninfer_core.quant.encodings import GROUP_SIZES, EncodingError
+    from ninfer_core.quant.transform import convert_encoding
+
+    if group is not None and group not in GROUP_SIZES:
+        raise ArtifactError(f"--group-size {group}: choose one of {', '.join(map(str, GROUP_SIZES))}")
+    try:
+        return convert_encoding(q, group), getattr(args, "scale_dtype", None) or "bf16"
+    except EncodingError as e:
+        raise ArtifactError(str(e)) from None
+
+
+def _encode(specs: list, manifest: dict, encoding) -> list:
+    if encoding is None:
+        return specs
+    from ninfer_core.quant.transform import encoded_specs
+
+    table = manifest.setdefault("tensors", {})
+    if any((e or {}).get("scale") for e in table.values()):
+        raise ArtifactError("the source is already quantised; convert its float original instead")
+    return encoded_specs(specs, table, encoding[0], encoding[1])
+
+
 def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
-                   corpus: str | None = None, check_manifest=None, drafters: dict | None = None) -> dict:
+                   corpus: str | None = None, check_manifest=None, drafters: dict | None = None,
+                   encoding=None) -> dict:
     """Convert `hf_dir` into the artifact `out`; returns the manifest written. ArtifactError on bad input.
 
     `proposal_head` N (with `corpus`): also store an optimised proposal head of N rows
@@ -80,6 +112,7 @@ def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False,
 
             loaders = {sp.name: sp.load for sp in specs}
             specs += proposal_specs(manifest, loaders, lambda n: loaders[n](), proposal_head, corpus, progress)
+        specs = _encode(specs, manifest, encoding)  # the text weights; a drafter's stay as published
         if drafters:
             from ninfer_core.artifact.drafters import add_drafters
 
@@ -89,7 +122,7 @@ def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False,
 
 
 def convert_artifact(src, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
-                     corpus: str | None = None, drafters: dict | None = None) -> dict:
+                     corpus: str | None = None, drafters: dict | None = None, encoding=None) -> dict:
     """Re-write the artifact `src` as `out` (same tensors and manifest), adding or replacing its
     proposal head when `proposal_head` is given and its drafter companions in `drafters`."""
     from ninfer_core.artifact.proposal import TOKEN_IDS, WEIGHT, proposal_specs
@@ -103,13 +136,15 @@ def convert_artifact(src, out, name: str | None = None, progress: bool = False, 
         if name:
             manifest["name"] = name
         names = [n for n in art.tensor_names() if n not in (WEIGHT, TOKEN_IDS)]
-        manifest["tensors"] = {n: {"component": art.tensor_component(n)} for n in names}
+        # entries as they are (an encoded weight's encoding, shape and scale), less the CRCs
+        manifest["tensors"] = {n: {k: v for k, v in art.tensor_info(n).items() if k != "crc32"} for n in names}
         specs = []
         for n in names:
             t = art.get_tensor(n)
             specs.append(TensorSpec(n, t.dtype, tuple(t.shape), lambda n=n: art.get_tensor(n)))
         if proposal_head is not None:
             specs += proposal_specs(manifest, names, art.get_tensor, proposal_head, corpus, progress)
+        specs = _encode(specs, manifest, encoding)  # the text weights; a drafter's stay as published
         with contextlib.ExitStack() as stack:
             if drafters:
                 from ninfer_core.artifact.drafters import add_drafters

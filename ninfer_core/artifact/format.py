@@ -278,12 +278,27 @@ def _check_manifest_tensors(path: str, manifest: dict, entries: list[TensorEntry
         raise ArtifactError(f"artifact {path} is inconsistent: " + "; ".join(parts))
     for e in entries:
         info = table[e.name]
-        if not isinstance(info, dict) or info.get("encoding") != e.dtype.encoding:
+        if not isinstance(info, dict) or info.get("encoding") != stored_encoding(e.dtype, info.get("encoding")):
             got = info.get("encoding") if isinstance(info, dict) else info
             raise ArtifactError(
                 f"artifact {path} is inconsistent: tensor {e.name!r} is {e.dtype.safetensors} "
                 f"but the manifest says encoding {got!r}"
             )
+
+
+def stored_encoding(dtype: DType, given) -> str:
+    """The encoding a manifest entry must name for a tensor stored as `dtype`: a weight encoding
+    (`ninfer_core.quant.encodings`, e.g. "int4-g64") when `given` is one whose storage is `dtype`,
+    else the dtype's own name ("bf16", "u8", ...)."""
+    if isinstance(given, str) and given != dtype.encoding:
+        from ninfer_core.quant.encodings import EncodingError, parse_encoding, storage_dtype
+
+        try:
+            if storage_dtype(parse_encoding(given).scheme) == dtype.torch:
+                return given
+        except EncodingError:
+            pass
+    return dtype.encoding
 
 
 def crc32(data, value: int = 0) -> int:

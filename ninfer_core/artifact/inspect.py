@@ -87,8 +87,17 @@ def summary(art: Artifact) -> str:
         comps.append(f"{c} ({_count(len(names), 'tensor')}, {human_bytes(nbytes)})")
     rows.append(("components", ", ".join(comps) or "none"))
     rows.append(("parameters", f"{art.num_parameters():,}"))
-    enc = Counter(art.tensor_encoding(n) for n in art.tensor_names())
-    rows.append(("encodings", ", ".join(f"{e} ({_count(k, 'tensor')})" for e, k in enc.most_common())))
+    enc: Counter = Counter()
+    size: Counter = Counter()
+    table = m.get("tensors") or {}
+    for n in art.tensor_names():
+        # an encoded weight's scale tensor is counted (and sized) with its weight's encoding
+        owner = (table.get(n) or {}).get("scale_of")
+        e = art.tensor_encoding(owner) if owner else art.tensor_encoding(n)
+        enc[e] += 0 if owner else 1
+        size[e] += art.tensor_nbytes(n)
+    rows.append(("encodings", ", ".join(f"{e} ({_count(k, 'tensor')}, {human_bytes(size[e])})"
+                                         for e, k in enc.most_common())))
 
     tok = art.tokenizer_section
     if tok:

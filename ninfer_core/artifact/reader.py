@@ -107,7 +107,19 @@ class Artifact:
         return self._entry(name).nbytes
 
     def tensor_encoding(self, name) -> str:
-        return self._entry(name).dtype.encoding
+        """The manifest's encoding: a dtype name ("bf16") or a weight encoding ("int4-g64")."""
+        return self.manifest["tensors"][name].get("encoding") or self._entry(name).dtype.encoding
+
+    def tensor_info(self, name) -> dict:
+        """The tensor's manifest entry (encoding, component, and for an encoded weight its logical
+        `shape` and `scale` tensor)."""
+        self._entry(name)
+        return dict(self.manifest["tensors"][name])
+
+    def logical_shape(self, name) -> tuple[int, ...]:
+        """The shape a tensor has as a model parameter (an encoded weight's unpacked shape)."""
+        shape = self.manifest["tensors"][name].get("shape")
+        return tuple(shape) if shape else tuple(self._entry(name).shape)
 
     def tensor_component(self, name) -> str:
         self._entry(name)
@@ -133,7 +145,12 @@ class Artifact:
         return self._handle.get_slice(name)
 
     def num_parameters(self, component: str | None = None) -> int:
-        return sum(self._entries[n].numel for n in self.tensor_names(component))
+        """Model parameters: an encoded weight counts its unpacked elements, its scales none."""
+        from math import prod
+
+        table = self.manifest["tensors"]
+        return sum(prod(self.logical_shape(n)) for n in self.tensor_names(component)
+                   if not table[n].get("scale_of"))
 
     def verify(self, progress: bool = False) -> int:
         """Check every tensor's CRC32 against the manifest; returns the number checked.

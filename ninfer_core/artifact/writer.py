@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ninfer_core.artifact.format import (
+    CRC_PLACEHOLDER,
     FORMAT_VERSION,
     HEADER_ALIGN,
-    CRC_PLACEHOLDER,
     HEADER_CRC_KEY,
     MANIFEST_KEY,
     ArtifactError,
@@ -23,6 +23,7 @@ from ninfer_core.artifact.format import (
     header_crc_field,
     itemsize,
     ordered_components,
+    stored_encoding,
 )
 from ninfer_core.artifact.progress import ByteProgress
 
@@ -73,7 +74,7 @@ def write_artifact(path, manifest: dict, tensors: list[TensorSpec], progress: bo
     table: dict[str, dict] = {}
     for s in specs:
         entry = dict(given.get(s.name) or {})
-        entry["encoding"] = dtype_info(s.dtype).encoding
+        entry["encoding"] = stored_encoding(dtype_info(s.dtype), entry.get("encoding"))
         entry.setdefault("component", component_of(s.name))
         entry["crc32"] = CRC_PLACEHOLDER
         table[s.name] = entry

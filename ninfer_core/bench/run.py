@@ -59,6 +59,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="also print the device-kernel time of one decode step (batch 1, eager) and one "
                         "prefill of the largest --prefill-lens, by kernel, from torch.profiler")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON here")
+    p.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                   help="encode the random model's projection weights as `ninfer convert --quantize` would "
+                        "(decode floors count the packed bytes; default: none)")
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="input columns per scale with --quantize (default: 128, fp8 per row)")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
     from ninfer_core.bench.replay import add_replay_arguments
@@ -78,19 +83,20 @@ from ninfer_core.bench.ceilings import timed as _timed
 def weight_facts(runner) -> dict:
     """Bytes one decode step reads (all weights but the embedding table; routed experts scaled to
     the share a step touches) and matmul FLOPs per prefill token (layer projections)."""
+    from ninfer_core.quant.transform import named_weights, stored_bytes
+
     model = runner.model
     cfg = runner.cfg
-    emb = model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    tied = model.lm_head.weight is model.embed_tokens.weight
     experts = int(getattr(cfg, "num_experts", 0) or 0)
     top_k = int(getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k_experts", 0) or 0)
     seen, total, expert_bytes, matmul_params = set(), 0, 0, 0
-    for name, p in model.named_parameters():
-        key = (p.data_ptr(), tuple(p.shape))
+    for name, p in named_weights(model):  # encoded weights (--quantize) count their packed bytes
+        key = id(p)
         if key in seen:
             continue
         seen.add(key)
-        nbytes = p.numel() * p.element_size()
+        nbytes = stored_bytes(p)
         if name == "embed_tokens.weight" and not tied:
             continue
         if name.startswith("embed_tokens_per_layer."):  # a per-layer embedding table: a row per token
@@ -112,8 +118,29 @@ def weight_facts(runner) -> dict:
         "experts": experts,
         "top_k": top_k,
         "matmul_flops_per_token": 2 * matmul_params,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": sum(p.numel() for _, p in named_weights(model)),
     }
+
+
+def kv_auto_tokens(runner, device) -> dict:
+    """Tokens `--kv-capacity auto` would fit now (1 lane, 1 GiB headroom) per KV dtype the runner
+    stores: the same free memory counted at each dtype's bytes per token."""
+    from ninfer_core.engine.kv_sizing import auto_kv_capacity
+    from ninfer_core.quant.kv import BF16, INT8, K8V4
+
+    if not hasattr(runner, "kv_format"):
+        return {}
+    out, keep = {}, runner.kv_format
+    try:
+        for fmt in (BF16, INT8, K8V4):
+            runner.kv_format = fmt
+            try:
+                out[fmt.name] = auto_kv_capacity(runner.cache_spec(), device, 1024, 1, 64)
+            except ValueError:
+                out[fmt.name] = 0
+    finally:
+        runner.kv_format = keep
+    return out
 
 
 def step_bytes(facts: dict, spec, batch: int, context: int, runner=None) -> float:
@@ -397,7 +424,14 @@ def run_bench(a: argparse.Namespace) -> int:
     res["ceilings"] = ceil = measure_ceilings(torch, device)
     print(f"ceilings: read {ceil['read_bandwidth_GBps']:,.0f} GB/s, copy {ceil['copy_bandwidth_GBps']:,.0f} GB/s, "
           f"matmul {ceil['matmul_TFLOPs']:,.1f} TFLOP/s", flush=True)
-    runner = family.load(art, device=str(device))
+    load_opts = argparse.Namespace()
+    if getattr(a, "quantize", None):
+        from ninfer_core.quant.transform import convert_encoding
+
+        load_opts.quantize = convert_encoding(a.quantize, a.group_size)
+        res["quantize"] = load_opts.quantize.name
+    runner = family.load(art, device=str(device), options=load_opts)
+    res["kv_auto_tokens"] = kv_auto_tokens(runner, device)
     # forwards of at most the engine's default prefill chunk per lane, as `ninfer serve` runs them (a
     # runner whose per-lane cache depends on it, a sliding-window ring, splits longer prefills)
     from ninfer_core.config import EngineOptions

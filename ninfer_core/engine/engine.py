@@ -89,7 +89,6 @@ class Engine:
         self.options = options
         self.spec = spec
         self.page_size = PAGE_SIZE
-        self.pool_pages = pages_for(options.resolved_kv_capacity(), self.page_size)
         ngram = options.ngram_options(spec.draft_tokens if spec is not None else 0)
         widths = set(spec.verify_widths if spec is not None else ())
         if ngram.enabled:
@@ -98,6 +97,13 @@ class Engine:
                                        max_lanes=options.max_concurrency,
                                        max_segment_tokens=max(options.prefill_chunk, max(widths, default=1))))
         self.cache_spec = runner.cache_spec()
+        from ninfer_core.engine.kv_sizing import pool_pages
+
+        # --kv-capacity auto counts the cache spec's bytes per token (the --kv-dtype's real size)
+        self.pool_pages = pool_pages(options, self.cache_spec, getattr(runner, "device", "cpu"), self.page_size)
+        if options.kv_capacity == "auto":
+            log.info("--kv-capacity auto: %d tokens (%d bytes per token)", self.pool_pages * self.page_size,
+                     self.cache_spec.kv_bytes_per_token)
         pool = PagePool(self.pool_pages, self.page_size)
         # Context cache (spec "Execution behavior"): None with --no-prefix-reuse or a runner that
         # cannot capture state; its Device checkpoint slots are runner slots past the lanes.

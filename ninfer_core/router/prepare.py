@@ -33,6 +33,7 @@ class Prepared:
 
 def model_options(args: argparse.Namespace, host: Any) -> ServeOptions:
     from ninfer_core.plugins import PluginError
+    from ninfer_core.server.loader import resolve_kv_dtype
 
     try:
         options = options_from_args(args)
@@ -65,7 +66,9 @@ def prepare(options: ServeOptions, host: Any) -> Prepared:
         raise PrepareError(f"cannot open artifact {path}: {e}") from None
     try:
         family_reg = host.family_for_architecture(artifact.architecture)
-        host.resolve("kv_dtype", options.engine.kv_dtype)
+        from ninfer_core.server.loader import resolve_kv_dtype
+
+        options.kv_format = resolve_kv_dtype(host, options.engine.kv_dtype)
         if options.chat_template:
             template = resolve_chat_template(options.chat_template)
         else:
@@ -74,7 +77,7 @@ def prepare(options: ServeOptions, host: Any) -> Prepared:
             target = family_reg.load()
             found = family_chat_template(target() if isinstance(target, type) else target, artifact.architecture)
             template = ChatTemplate(found[0]) if found is not None else None
-    except (PluginError, TemplateError) as e:
+    except (PluginError, TemplateError, ValueError) as e:
         artifact.close()
         raise PrepareError(str(e)) from None
     return Prepared(options, artifact, family_reg, template, getattr(options, "_spec_reg", None))

@@ -48,6 +48,25 @@ def public_model_id(options: ServeOptions, artifact: Any) -> str:
     return options.model_id or first_alias or identity.get("model_id") or artifact.name or artifact.architecture
 
 
+def resolve_kv_dtype(host, name: str):
+    """The loaded `--kv-dtype` target (a KV format object); ValueError/PluginError name what exists."""
+    from ninfer_core.quant.kv import check_kv_dtype
+
+    check_kv_dtype(name, host.registry("kv_dtype"))
+    return host.resolve("kv_dtype", name).load()
+
+
+def load_options(opts) -> Any:
+    """What `ModelFamily.load(options=)` receives: the plugins' serve options plus the load-time
+    encodings core resolves (`kv_dtype`: the KV format object, `lm_head_q`, `embedding_q`)."""
+    import argparse
+
+    ns = argparse.Namespace(**vars(opts.plugin_options))
+    ns.kv_dtype = opts.kv_format if opts.kv_format is not None else opts.engine.kv_dtype
+    ns.lm_head_q, ns.embedding_q = opts.lm_head_q, opts.embedding_q
+    return ns
+
+
 class Loader:
     """Loads the model behind a serving port: family.load, Engine start, warmup, then ready."""
 
@@ -82,7 +101,7 @@ class Loader:
                 runner = PipelineRunner.start(self.family_reg.target, self.artifact.path, opts.devices,
                                               opts.stage_layers, options=opts.plugin_options)
             else:
-                runner = family.load(self.artifact, device=device, options=opts.plugin_options)
+                runner = family.load(self.artifact, device=device, options=load_options(opts))
             if hasattr(family, "chat_format"):  # the family's reasoning and tool-call markup
                 from ninfer_core.tokenizer.chat_format import attach
 

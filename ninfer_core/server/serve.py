@@ -108,8 +108,10 @@ def run_serve(args, host: PluginHost | None = None) -> int:
         return _fail(f"cannot open artifact {path}: {e}")
     try:
         family_reg = host.family_for_architecture(artifact.architecture)
-        host.resolve("kv_dtype", options.engine.kv_dtype)
-    except PluginError as e:
+        from ninfer_core.server.loader import resolve_kv_dtype
+
+        options.kv_format = resolve_kv_dtype(host, options.engine.kv_dtype)
+    except (PluginError, ValueError) as e:
         return _fail(str(e))
     if options.devices:
         err = check_pipeline(options, artifact, family_reg)

@@ -81,4 +81,5 @@ def ninfer_add_serve_options(add):
     add("--ngram-hot-profile", default=None, metavar="PATH",
         help="ram-hot: the hot-row profile (row ids, hottest first)")
     add("--no-ngram-table", action="store_true", default=None,
-        help="Flash-Next: run without the n-gram table (a non-standard experimental mode; quality drops)")
+        help="Flash-Next: run without the n-gram table (a non-standard experimental mode; quality drops; "
+             "default: off, the table is used)")

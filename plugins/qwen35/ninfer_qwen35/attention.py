@@ -71,7 +71,6 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, gate, k, v = self.project(x, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.cache.kv[self.layer_idx]
         ps = ctx.cache.page_size
         dev = x.device
 
@@ -83,8 +82,8 @@ class GatedAttention(nn.Module):
             rows.extend(p % ps for p in pos)
         page_t = torch.tensor(page_ids, device=dev)
         row_t = torch.tensor(rows, device=dev)
-        k_cache[page_t, row_t] = k.to(k_cache.dtype)
-        v_cache[page_t, row_t] = v.to(v_cache.dtype)
+        ctx.cache.write_kv(self.layer_idx, page_t, row_t, k, v)  # quantised per --kv-dtype
+        k_cache, v_cache = ctx.cache.kv_views(self.layer_idx, q.dtype)
 
         if ctx.all_stepwise:
             attn = self._rows(q, k_cache, v_cache, ctx.segments, ps)

@@ -37,9 +37,46 @@ class CacheTensors:
 
     page_size: int
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # quantised --kv-dtype layers: {layer: (K scales, V scales)} [num_pages, page_size, kv_heads] fp32
+    # (a side stored in the model dtype has None); `kv_format` is the ninfer_core.quant.kv.KVFormat
+    kv_scale: dict[int, tuple] = field(default_factory=dict)
+    kv_format: object = None
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     ssm: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
+
+    def kv_views(self, layer: int, dtype):
+        """(K, V) pages of `layer` as the reference attention reads them (dequantised on gather)."""
+        k, v = self.kv[layer]
+        scales = self.kv_scale.get(layer)
+        if scales is None:
+            return k, v
+        from ninfer_core.quant.kv import page_views
+
+        return page_views(self.kv_format, k, v, scales[0], scales[1], dtype)
+
+    def write_kv(self, layer: int, page_t, row_t, k, v) -> None:
+        kc, vc = self.kv[layer]
+        scales = self.kv_scale.get(layer)
+        if scales is None:
+            kc[page_t, row_t] = k.to(kc.dtype)
+            vc[page_t, row_t] = v.to(vc.dtype)
+            return
+        from ninfer_core.quant.kv import write_rows
+
+        write_rows(self.kv_format, kc, vc, scales[0], scales[1], page_t, row_t, k, v)
+
+    def page_tensors(self) -> dict:
+        """Every per-page tensor by its page-data name: "k.3", "v.3", and "ks.3", "vs.3" (scales)."""
+        out = {}
+        for i, (k, v) in self.kv.items():
+            out[f"k.{i}"], out[f"v.{i}"] = k, v
+            ks, vs = self.kv_scale.get(i, (None, None))
+            if ks is not None:
+                out[f"ks.{i}"] = ks
+            if vs is not None:
+                out[f"vs.{i}"] = vs
+        return out
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-slot tensor by its StateImage name."""

@@ -9,12 +9,22 @@ checkpoints) and `model.*` (the text-only CausalLM). MoE experts may be stored f
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests and tools import it here)
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.quant.kv import kv_format
+from ninfer_core.quant.transform import (
+    apply_load_encodings,
+    encoded_weight,
+    is_encoded_or_scale,
+    quantize_model,
+    set_weight,
+)
+from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.model import Qwen35TextModel
@@ -25,6 +35,9 @@ TEXT_PREFIXES = ("model.language_model.", "model.")
 _PER_EXPERT = re.compile(
     r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
+
+log = logging.getLogger("ninfer.qwen35")
+
 
 class LoadError(ValueError):
     """The artifact's tensors do not fit the model its config describes."""
@@ -51,13 +64,18 @@ class Qwen35Family(ModelFamily):
 
         with torch.device("meta"):
             model = Qwen35TextModel(cfg)
-        state = _text_state(artifact, text_names, cfg)
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        encoded = _encoded_state(artifact, text_names, run_dtype, dev)
+        state = _text_state(artifact, [n for n in text_names if not is_encoded_or_scale(artifact, n)], cfg)
+        tied = cfg.tie_word_embeddings or ("lm_head.weight" not in state and "lm_head.weight" not in encoded)
         if tied:
             state.pop("lm_head.weight", None)
-        _assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if tied else set())
+        _assign(model, state, run_dtype, dev, skip=set(encoded) | ({"lm_head.weight"} if tied else set()))
+        _assign_encoded(model, encoded)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
+        apply_load_encodings(model, options)
+        if getattr(options, "quantize", None) is not None:  # `ninfer bench --quantize` (random weights)
+            quantize_model(model, options.quantize)
         model.init_rotary(dev)
 
         mtp = None
@@ -70,11 +88,16 @@ class Qwen35Family(ModelFamily):
         tok = getattr(artifact, "tokenizer_section", None)
         if isinstance(tok, dict):
             eos = _eos_ids(tok)
-        if dev.type == "cuda":  # the fast path: fused projections, Triton/fla kernels, CUDA Graphs
+        kv = kv_format(getattr(options, "kv_dtype", None))
+        extra = dict(kv_format=kv, gdn_state_fp16=bool(getattr(options, "gdn_state_fp16", False)))
+        if dev.type == "cuda" and not kv.quantized:  # the fast path: fused projections, Triton/fla kernels, graphs
             from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
-            return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
-        return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
+            return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
+        if dev.type == "cuda":
+            log.warning("--kv-dtype %s: the CUDA attention kernels read bf16 pages only; this model runs the "
+                        "reference path on the device (slow)", kv.name)
+        return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
 
     # ---- pipeline stages (ninfer_core.engine.pipeline; model_api's StageRunner contract) ---------
     def pipeline_layers(self, artifact) -> int:
@@ -166,6 +189,32 @@ def _text_state(artifact, names: list[str], cfg: Qwen35Config) -> dict[str, torc
     return _fuse_experts(state)
 
 
+def _encoded_state(artifact, names: list[str], dtype, device) -> dict:
+    """{param name: QuantizedWeight} of the artifact's encoded text weights (per-expert weights
+    fused into the [E, 2I, H] / [E, H, I] layout by stacking their packed rows and scales)."""
+    table = (getattr(artifact, "manifest", None) or {}).get("tensors", {})  # artifact-like sources may have none
+    enc_names = [n for n in names if (table.get(n) or {}).get("scale")]
+    if not enc_names:
+        return {}
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), "")
+    state = {}
+    for n in enc_names:
+        key = n.removeprefix(prefix)
+        state[key] = encoded_weight(artifact, n, dtype, device)
+    return _fuse_experts(state)
+
+
+def _assign_encoded(module: torch.nn.Module, encoded: dict) -> None:
+    params = dict(module.named_parameters())
+    for name, w in encoded.items():
+        p = params.get(name)
+        if p is None:
+            raise LoadError(f"encoded weight {name} does not fit the config: the model has no such parameter")
+        if tuple(w.shape) != tuple(p.shape):
+            raise LoadError(f"{name}: stored shape {tuple(w.shape)}, config expects {tuple(p.shape)}")
+        set_weight(module, name, w)
+
+
 def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert MoE weights -> the fused [E, 2I, H] / [E, H, I] parameters (a copy)."""
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
@@ -180,9 +229,17 @@ def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             down = [projs["down_proj"][i] for i in range(e)]
         except KeyError as exc:
             raise LoadError(f"{pre}: incomplete per-expert weights (missing {exc})") from None
-        state[pre + ".gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
-        state[pre + ".down_proj"] = torch.stack(down)
+        state[pre + ".gate_up_proj"] = _stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        state[pre + ".down_proj"] = _stack(down)
     return state
+
+
+def _stack(parts: list):
+    if isinstance(parts[0], QuantizedWeight):  # encoded experts: stack the packed rows and scales
+        f = parts[0]
+        return QuantizedWeight(torch.stack([p.qdata for p in parts]), torch.stack([p.scale for p in parts]),
+                               f.enc, f.in_features, f.dtype)
+    return torch.stack(parts)
 
 
 def _assign(module: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, skip=()) -> None:

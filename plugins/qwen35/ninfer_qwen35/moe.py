@@ -43,7 +43,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """On CUDA: sorted token-expert pairs through two grouped GEMMs, no host synchronisation
         (gpu/moe_kernels.py); elsewhere, or where the grouped GEMM is unavailable, the expert loop."""
-        if x.is_cuda:
+        if x.is_cuda and isinstance(self.gate_up_proj, torch.Tensor):  # encoded experts take the loop
             from ninfer_qwen35.gpu.moe_kernels import grouped_experts
 
             out = grouped_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj)
@@ -53,7 +53,8 @@ class Experts(nn.Module):
 
     def forward_loop(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """The reference: loop over the experts that received tokens; each runs on its tokens only
-        (reads the expert counts back to the host)."""
+        (reads the expert counts back to the host). Encoded experts (`ninfer_core.quant`) run each
+        expert's rows through the dequantising linear."""
         out = torch.zeros_like(x)
         flat_i = top_i.reshape(-1)
         order = torch.argsort(flat_i, stable=True)

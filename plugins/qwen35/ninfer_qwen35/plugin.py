@@ -33,3 +33,10 @@ def ninfer_default_artifact(cache_dir):
     from ninfer_qwen35.default_model import ensure_default_artifact
 
     return ensure_default_artifact(cache_dir)
+
+
+@hookimpl
+def ninfer_add_serve_options(add):
+    add("--gdn-state-fp16", action="store_true", default=False,
+        help="keep the GDN recurrent state of StateImages (checkpoints, Host tier, slot and disk files) in FP16, "
+             "which halves each Host StateImage (quality trades; default: FP32)")

@@ -42,17 +42,27 @@ class Qwen35Runner(StageRunner, ModelRunner):
         dtype: torch.dtype,
         mtp: MtpHead | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        kv_format=None,
+        gdn_state_fp16: bool = False,
     ):
+        from ninfer_core.quant.kv import kv_format as _kv_format
+
         self.model, self.cfg, self.device, self.dtype, self.mtp = model, cfg, device, dtype, mtp
         # a pipeline stage holds the layers of `model.layer_range` only (ninfer_core.engine.pipeline)
         self.attn_layers = tuple(i for i in cfg.full_attention_layers if i in model.layer_range)
         self.gdn_layers = tuple(i for i in cfg.linear_attention_layers if i in model.layer_range)
+        self.kv_format = _kv_format(kv_format)  # --kv-dtype: the main attention layers' page storage
+        # --gdn-state-fp16: StateImages (checkpoints, Host tier, slot and disk files) hold the GDN
+        # recurrent state in fp16; the live slots compute and keep it in fp32
+        self.gdn_state_fp16 = bool(gdn_state_fp16)
         self.cache: CacheTensors | None = None
         self.num_pages = self.num_slots = 0
         self.draft = None  # the enabled MtpDraftHead, or None
         # verify segments of the last forward not committed yet: {slot: (layer states, final hidden [T, H])}
         self._uncommitted: dict[int, tuple[dict, torch.Tensor]] = {}
-        n_params = sum(p.numel() for p in model.parameters())
+        from ninfer_core.quant.transform import encoded_params
+
+        n_params = sum(p.numel() for p in model.parameters()) + encoded_params(model)
         self.info = ModelInfo(
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,
@@ -65,6 +75,8 @@ class Qwen35Runner(StageRunner, ModelRunner):
                 "layer_types": list(cfg.layer_types),
                 "moe": cfg.is_moe,
                 "mtp": mtp is not None,
+                "kv_dtype": self.kv_format.name,
+                "gdn_state": "f16" if self.gdn_state_fp16 else "f32",
             },
         )
 
@@ -76,9 +88,10 @@ class Qwen35Runner(StageRunner, ModelRunner):
     def cache_spec(self) -> CacheSpec:
         cfg, elem = self.cfg, self._elem
         attn_layers = self.attn_layers
-        kv_bytes = 2 * len(attn_layers) * cfg.num_key_value_heads * cfg.head_dim * elem
+        kv_bytes = self.kv_format.bytes_per_token(len(attn_layers), cfg.num_key_value_heads, cfg.head_dim, elem)
         conv = cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
-        ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * (
+            2 if self.gdn_state_fp16 else 4)
         groups = []
         if attn_layers:
             groups.append(KVGroup(name=ATTN_GROUP, layers=attn_layers, kv_heads=cfg.num_key_value_heads,
@@ -91,10 +104,16 @@ class Qwen35Runner(StageRunner, ModelRunner):
 
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         cfg, dev = self.cfg, self.device
-        cache = CacheTensors(page_size=page_size)
-        kv_layers = list(self.attn_layers) + list(self.draft.layer_ids if self.draft else ())
-        for i in kv_layers:
-            shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        cache = CacheTensors(page_size=page_size, kv_format=self.kv_format)
+        fmt, kvh, hd = self.kv_format, cfg.num_key_value_heads, cfg.head_dim
+        for i in self.attn_layers:
+            k, ks = fmt.allocate(fmt.k_kind, num_pages, page_size, kvh, hd, self.dtype, dev)
+            v, vs = fmt.allocate(fmt.v_kind, num_pages, page_size, kvh, hd, self.dtype, dev)
+            cache.kv[i] = (k, v)
+            if fmt.quantized:
+                cache.kv_scale[i] = (ks, vs)
+        for i in (self.draft.layer_ids if self.draft else ()):  # the draft head's pages stay in the run dtype
+            shape = (num_pages, page_size, kvh, hd)
             cache.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=dev),
                            torch.zeros(shape, dtype=self.dtype, device=dev))
         for i in self.gdn_layers:
@@ -113,7 +132,7 @@ class Qwen35Runner(StageRunner, ModelRunner):
 
     def kv_page_tensors(self) -> tuple:
         """Every layer's K and V pages (a model suspend copies only the pages in use)."""
-        return tuple(t for kv in self.cache.kv.values() for t in kv) if self.cache is not None else ()
+        return tuple(self.cache.page_tensors().values()) if self.cache is not None else ()
 
     def reset_slot(self, slot: int) -> None:
         self._check_slot(slot)
@@ -132,9 +151,8 @@ class Qwen35Runner(StageRunner, ModelRunner):
         for i in (src, dst):
             if not 0 <= i < self.num_pages:
                 raise ValueError(f"page id {i} outside the pool of {self.num_pages} pages")
-        for k, v in self.cache.kv.values():
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        for t in self.cache.page_tensors().values():
+            t[dst].copy_(t[src])
 
     # Host copies go to pinned memory (the spec's pinned Host tiers): every tensor's device-to-host
     # copy is queued without waiting and the stream is synchronised once, so an image of a large
@@ -152,14 +170,21 @@ class Qwen35Runner(StageRunner, ModelRunner):
 
     def capture_state(self, slot: int) -> StateImage:
         self._check_slot(slot)
-        return StateImage(self._to_host({name: t[slot] for name, t in self.cache.slot_tensors().items()}))
+        image = self._to_host({name: t[slot] for name, t in self.cache.slot_tensors().items()})
+        if self.gdn_state_fp16:
+            image = {n: t.to(torch.float16) if n.startswith("ssm.") else t for n, t in image.items()}
+        return StateImage(image)
 
     def restore_state(self, image: StateImage, slot: int) -> None:
         self._check_slot(slot)
         pairs = []
         for name, t in self.cache.slot_tensors().items():
             src = image.tensors.get(name)
-            if src is None or tuple(src.shape) != tuple(t[slot].shape) or src.dtype != t.dtype:
+            want = torch.float16 if self.gdn_state_fp16 and name.startswith("ssm.") else t.dtype
+            if src is not None and src.dtype != want and name.startswith("ssm."):
+                raise ValueError(f"StateImage holds the GDN state {name!r} in {str(src.dtype).removeprefix('torch.')}"
+                                 f", this server keeps {str(want).removeprefix('torch.')} (--gdn-state-fp16 differs)")
+            if src is None or tuple(src.shape) != tuple(t[slot].shape) or src.dtype != want:
                 raise ValueError(f"StateImage does not fit this model's state {name!r}")
             pairs.append((t[slot], src))
         if set(image.tensors) - set(self.cache.slot_tensors()):
@@ -170,23 +195,29 @@ class Qwen35Runner(StageRunner, ModelRunner):
 
     def read_pages(self, pages):
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        sel = {}
-        for i, (k, v) in self.cache.kv.items():
-            sel[f"k.{i}"] = k.index_select(0, idx)
-            sel[f"v.{i}"] = v.index_select(0, idx)
-        return self._to_host(sel)
+        return self._to_host({name: t.index_select(0, idx) for name, t in self.cache.page_tensors().items()})
 
     def write_pages(self, pages, data) -> None:
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        names = {f"{kv}.{i}" for i in self.cache.kv for kv in "kv"}
-        if set(data) != names:
+        tensors = self.cache.page_tensors()
+        if set(data) != set(tensors):
+            scaled = any(n.startswith(("ks.", "vs.")) for n in data)
+            if scaled != self.kv_format.quantized:
+                raise ValueError(f"KV data was stored with another --kv-dtype than this cache's "
+                                 f"{self.kv_format.name}")
             raise ValueError("KV data does not fit this model's pages (another model or speculative setup)")
-        for i, (k, v) in self.cache.kv.items():
-            for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
-                src = data[name]
-                if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
-                    raise ValueError(f"KV data does not fit this model's pages ({name})")
-                dst.index_copy_(0, idx, src.to(dst.device, dst.dtype, non_blocking=True))
+        for name, dst in tensors.items():
+            src = data[name]
+            if src.dtype != dst.dtype:
+                raise ValueError(f"KV data stored as {str(src.dtype).removeprefix('torch.')} does not fit this "
+                                 f"cache's --kv-dtype {self.kv_format.name} pages ({name})")
+            if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
+                raise ValueError(f"KV data does not fit this model's pages ({name})")
+        for name, dst in tensors.items():
+            src = data[name].to(dst.device, non_blocking=True)
+            if dst.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+                dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+            dst.index_copy_(0, idx, src)
 
     # ---- draft heads ------------------------------------------------------------------------
     def draft_heads(self) -> tuple[str, ...]:

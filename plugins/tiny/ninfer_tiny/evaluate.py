@@ -88,8 +88,9 @@ def server_scores(base_url: str, samples, max_tokens: int = 160) -> dict[str, fl
     return {k: sum(v) / len(v) for k, v in hits.items()}
 
 
-def offline_scores(artifact_path: str, samples, prose_docs: int, gen_tokens: int = 48) -> dict[str, float]:
-    """(mtp acceptance, prose perplexity) with the qwen35 plugin's runner on the CPU."""
+def offline_scores(artifact_path: str, samples, prose_docs: int, gen_tokens: int = 48, options=None) -> dict[str, float]:
+    """(mtp acceptance, prose perplexity) with the qwen35 plugin's runner on the CPU; `options` is
+    the family's load options (e.g. `kv_dtype`, as `ninfer serve --kv-dtype` passes it)."""
     import torch
     from ninfer_qwen35.family import Qwen35Family
 
@@ -100,7 +101,7 @@ def offline_scores(artifact_path: str, samples, prose_docs: int, gen_tokens: int
     from ninfer_tiny.data import project_template
 
     art = Artifact.open(artifact_path)
-    runner = Qwen35Family().load(art, device="cpu", dtype="float32")
+    runner = Qwen35Family().load(art, device="cpu", dtype="float32", options=options)
     tok = Tokenizer(art.tokenizer_section)
     page = 16
     max_len = 2048
@@ -150,8 +151,9 @@ def offline_scores(artifact_path: str, samples, prose_docs: int, gen_tokens: int
     return {"mtp": accepted / total if total else 0.0, "ppl": math.exp(nll / n) if n else float("nan")}
 
 
-def start_server(artifact: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "ninfer_core.cli", "serve", artifact, "--host", "127.0.0.1", "--port", "0"]
+def start_server(artifact: str, extra_args=()) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "ninfer_core.cli", "serve", artifact, "--host", "127.0.0.1", "--port", "0",
+           *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     port = None
     for line in proc.stdout:

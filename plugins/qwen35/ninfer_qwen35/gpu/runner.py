@@ -37,6 +37,7 @@ from ninfer_core.engine.model_api import (
     RunnerOptions,
     SegmentOutput,
 )
+from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_qwen35.context import Segment
 from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu import moe_kernels as MK
@@ -61,7 +62,8 @@ def _fuse(mods: list[nn.Module]) -> torch.Tensor:
     off = 0
     for m in mods:
         n = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[off : off + n], requires_grad=False)
+        part = fused[off : off + n]  # an encoded weight (ninfer_core.quant) fuses into one encoded weight
+        m.weight = part if isinstance(part, QuantizedWeight) else nn.Parameter(part, requires_grad=False)
         off += n
     return fused
 
@@ -514,6 +516,8 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
         if w is None:
+            if isinstance(mlp.experts.gate_up_proj, QuantizedWeight):
+                return mlp(h)  # encoded experts: the expert loop over the dequantising linear
             if h.shape[0] <= (MOE_GATHER_MAX_VERIFY_ROWS if self._verifying else MOE_GATHER_MAX_TOKENS):
                 return self._moe_few_tokens(mlp, h)
             return mlp(h)  # MoE block: its own forward (a loop over the experts that got tokens)
