@@ -46,6 +46,10 @@ class ModelSlot:
         self.idle_since = time.monotonic()
         self.moving = False  # a load, unload, sleep or wake is running
         self.attempt = 0  # counts loads, so a waiter sees whether the load it waited on failed
+        # GET /models?reload=1 (manager.reload): a changed entry's (path, args) wait here for the
+        # model's next load; a removed entry leaves routing at once and the catalog once unloaded.
+        self.pending: tuple[str | None, Any] | None = None
+        self.removed = False
 
     # -- facts -------------------------------------------------------------------------------------
     @property
@@ -77,6 +81,20 @@ class ModelSlot:
         return (self.name, *self.aliases)
 
     # -- blocking work (threads) -------------------------------------------------------------------
+    def settings(self) -> tuple[str | None, list[str]]:
+        """What a reload compares: the artifact and the serve arguments (preset, then command line)."""
+        return self.path, list(getattr(self.args, "serve_argv_model", None) or [])
+
+    def next_settings(self) -> tuple[str | None, list[str]]:
+        """The settings its next load uses: a reload's pending change, else its own."""
+        if self.pending is None:
+            return self.settings()
+        return self.pending[0], list(getattr(self.pending[1], "serve_argv_model", None) or [])
+
+    def apply_pending(self) -> None:
+        if self.pending is not None:
+            (self.path, self.args), self.pending = self.pending, None
+
     def do_load(self) -> None:
         self.loaded = self.backend.load(self)
 
