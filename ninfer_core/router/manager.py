@@ -155,7 +155,7 @@ class ModelManager:
 
     # -- transitions -------------------------------------------------------------------------------
     async def _run(self, slot: ModelSlot, status_during: str, fn, status_after: str, status_failed: str) -> bool:
-        slot.moving = True
+        slot.moving, slot.reserved = True, False
         self._set_status(slot, status_during)
         try:
             await asyncio.to_thread(fn)
@@ -259,6 +259,7 @@ class ModelManager:
                     if self._queue[0] is slot:
                         if self._free_places(slot) > 0:
                             self._queue.popleft()
+                            slot.reserved = True  # until its load or wake task runs (slots.py)
                             if slot.status == UNLOADED:
                                 attempt = slot.attempt + 1
                                 self._spawn(self._load(slot))

@@ -45,6 +45,9 @@ class ModelSlot:
         self.last_used = 0.0  # monotonic time of the last request that used it (LRU order)
         self.idle_since = time.monotonic()
         self.moving = False  # a load, unload, sleep or wake is running
+        # given a place by the room queue, its load (or wake) task not started yet: it occupies the
+        # place already, or the next waiter, woken by the same change, would take it too
+        self.reserved = False
         self.attempt = 0  # counts loads, so a waiter sees whether the load it waited on failed
         # GET /models?reload=1 (manager.reload): a changed entry's (path, args) wait here for the
         # model's next load; a removed entry leaves routing at once and the catalog once unloaded.
@@ -67,7 +70,8 @@ class ModelSlot:
     @property
     def occupies(self) -> bool:
         """Counts toward --models-max: it holds (or is taking, or still giving back) device memory."""
-        return self.status in (LOADING, LOADED, UNLOADING) or (self.status == SLEEPING and self.moving)
+        return self.reserved or self.status in (LOADING, LOADED, UNLOADING) or \
+            (self.status == SLEEPING and self.moving)
 
     @property
     def ready(self) -> bool:
