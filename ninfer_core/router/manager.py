@@ -372,7 +372,7 @@ class ModelManager:
                 continue
             if old.removed:  # removed by an earlier reload, back before it was gone
                 old.removed = False
-            old.aliases = new.aliases
+            old.set_aliases(new.aliases)
             if new.settings() != old.next_settings():
                 old.pending = (new.path, new.args)
                 if old.status == UNLOADED and not old.moving:

@@ -8,6 +8,7 @@ changed only on the event loop, by ninfer_core.router.manager.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -88,6 +89,14 @@ class ModelSlot:
     def settings(self) -> tuple[str | None, list[str]]:
         """What a reload compares: the artifact and the serve arguments (preset, then command line)."""
         return self.path, list(getattr(self.args, "serve_argv_model", None) or [])
+
+    def set_aliases(self, aliases: tuple[str, ...]) -> None:
+        """A reload's aliases apply at once: the router routes them, and a loaded model's own
+        routes (which check the body's model name) accept them."""
+        self.aliases = aliases
+        ctx = self.ctx
+        if ctx is not None and getattr(ctx, "model", None) is not None:
+            ctx.model = dataclasses.replace(ctx.model, aliases=tuple(a for a in aliases if a != ctx.model.id))
 
     def next_settings(self) -> tuple[str | None, list[str]]:
         """The settings its next load uses: a reload's pending change, else its own."""

@@ -90,7 +90,7 @@ def test_reload_adds_removes_and_changes_models(launch, tmp_path):
         time.sleep(1.0)
         os.symlink(TINY, models / "dir-b.ninfer")
         preset.write_text("[*]\nmax-context = 2048\n"
-                          f"[keep]\nmodel = {TINY}\nmax-context = 512\n"
+                          f"[keep]\nmodel = {TINY}\nmax-context = 512\nalias = kept\n"
                           f"[fresh]\nmodel = {TINY}\nload-on-startup = true\n")
         cat = catalog(base, reload=True)
         # a new model is listed unloaded (load-on-startup is for startup only); a removed one is gone
@@ -99,6 +99,8 @@ def test_reload_adds_removes_and_changes_models(launch, tmp_path):
         # a changed model keeps serving as it was loaded; the change applies at its next load
         assert cat["keep"]["status"]["value"] == "loaded" and cat["keep"]["max_model_len"] == 1024
         assert events.seen(model="*", event="models_reload")
+        r = chat(base, "kept")  # a new alias serves at once, by the loaded model
+        assert r.status_code == 200 and "kept" in catalog(base)["keep"]["aliases"]
         r = chat(base, "gone")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         t.join(120)
