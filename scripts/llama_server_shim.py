@@ -4,8 +4,8 @@
     LLAMA_SERVER_BIN_PATH=scripts/llama_server_shim.py pytest unit/test_router.py ...
 
 utils.py starts the binary with llama-server flags; this program maps each to `ninfer serve`
-options and then becomes that server (os.execv), so the harness's SIGTERM and its kill reach the
-server itself and no wrapper process is left behind.
+options and then runs that server in its own process (ninfer_core.cli.main), so the harness's
+SIGTERM and its kill reach the server itself and no wrapper process is left behind.
 
 Models: the harness names Hugging Face repositories (`--hf-repo`, a preset's `hf-repo`) that it
 downloaded once into its cache, and a router without a model lists that cache. Nothing is
@@ -56,8 +56,9 @@ DROPPED_VALUE = {"--batch-size", "-b", "--ubatch-size", "-ub", "--threads", "-t"
 DROPPED_BOOL = {"--offline", "--no-jinja", "--cont-batching", "--embedding", "--reranking", "--kv-unified",
                 "--swa-full", "--verbose", "--no-ui", "--no-mmproj"}
 # Preset keys of llama.cpp's router that have no NInfer counterpart (speculative drafts from
-# Hugging Face, hiding cache entries); dropped with a note so a test that needs them fails visibly.
-DROPPED_PRESET_KEYS = {"spec-draft-hf", "dedup-cache-models", "hf-file"}
+# Hugging Face); dropped with a note so a test that needs them fails visibly. spec-draft-hf still
+# names a cache entry for dedup-cache-models (below).
+DROPPED_PRESET_KEYS = {"spec-draft-hf", "hf-file"}
 
 
 class ShimError(Exception):
@@ -125,18 +126,38 @@ def preset_value_key(key: str) -> str | None:
     return key  # a key `ninfer serve` knows or refuses with its own message
 
 
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def router_preset(work: Path, user_preset: str | None) -> Path:
     """The router's catalog: the harness's cache ids, then the sections of its own preset with
-    their `hf-repo` resolved to ninfer-tiny."""
+    their `hf-repo` resolved to ninfer-tiny.
+
+    The cache ids stand for llama.cpp's Hugging Face cache, which only this shim has (NInfer's
+    counterpart, --models-dir, names a model by its file stem, and these ids hold `/` and `:`), so
+    dedup-cache-models is applied to them here, by NInfer's rule for --models-dir
+    (ninfer_core/router/catalog.py): a cache entry that a section with the key names (its hf-repo,
+    or its spec-draft-hf, whose draft NInfer does not load) is no model of its own but an alias of
+    that section's model."""
     out = configparser.ConfigParser(interpolation=None, default_section="\x00none")
     out.optionxform = str
-    for cache_id in CACHE_IDS.values():
-        out[cache_id] = {"model": str(TINY)}
+    cp = configparser.ConfigParser(interpolation=None, default_section="\x00none", comment_prefixes=(";", "#"))
+    cp.optionxform = str
     if user_preset:
-        cp = configparser.ConfigParser(interpolation=None, default_section="\x00none",
-                                       comment_prefixes=(";", "#"))
-        cp.optionxform = str
-        cp.read(user_preset, encoding="utf-8")
+        cp.read(user_preset, encoding="utf-8")  # a preset removed meanwhile reads as empty
+    common_dedup = cp["*"].get("dedup-cache-models") if cp.has_section("*") else None
+    folded: dict[str, list[str]] = {}
+    for name in cp.sections():
+        if name != "*" and _true(cp[name].get("dedup-cache-models", common_dedup)):
+            for key in ("hf-repo", "hf", "spec-draft-hf"):
+                if cp[name].get(key):
+                    folded.setdefault(name, []).append(map_repo(cp[name][key].strip()))
+    hidden = {cache_id for ids in folded.values() for cache_id in ids}
+    for cache_id in CACHE_IDS.values():
+        if cache_id not in hidden:
+            out[cache_id] = {"model": str(TINY)}
+    if user_preset:
         for name in cp.sections():
             sec: dict[str, str] = {}
             for key, value in cp[name].items():
@@ -153,6 +174,9 @@ def router_preset(work: Path, user_preset: str | None) -> Path:
                     sec[mapped] = value
                 else:
                     note(f"{user_preset} [{name}]: {key} has no NInfer counterpart; dropped")
+            if folded.get(name):
+                sec["alias"] = ", ".join([*(a.strip() for a in sec.get("alias", "").split(",") if a.strip()),
+                                          *folded[name]])
             out[name] = sec
     path = work / "router-preset.ini"
     with open(path, "w", encoding="utf-8") as f:
@@ -160,7 +184,8 @@ def router_preset(work: Path, user_preset: str | None) -> Path:
     return path
 
 
-def serve_argv(argv: list[str], work: Path) -> list[str]:
+def serve_argv(argv: list[str], work: Path) -> tuple[list[str], str | None]:
+    """(the `ninfer serve` arguments, the harness's own preset a router's catalog comes from)."""
     options, source = translate_flags(argv)
     # The harness's models do not reason, and its stream checks read every delta's content;
     # ninfer-tiny's template opens a thinking block unless told not to.
@@ -180,35 +205,63 @@ def serve_argv(argv: list[str], work: Path) -> list[str]:
             artifact = str(TINY)
         else:
             artifact = model if model.endswith(".ninfer") else str(TINY)
-        return [artifact, *options, *fixed]
-    preset = router_preset(work, (source.get("--models-preset") or [None])[-1])
+        return [artifact, *options, *fixed], None
+    user_preset = (source.get("--models-preset") or [None])[-1]
+    preset = router_preset(work, user_preset)
     routed = ["--models-preset", str(preset)]
     if source.get("--models-dir"):
         routed += ["--models-dir", source["--models-dir"][-1]]
-    return [*options, *routed, *fixed]
+    return [*options, *routed, *fixed], user_preset
+
+
+def retranslate_on_read(work: Path, user_preset: str | None) -> None:
+    """Each time NInfer's router reads its preset (at startup, and again for GET /models?reload=1)
+    the shim's translation of the harness's preset is written anew first, so a reload sees the
+    harness's edits as llama.cpp's router would. The translation is the one done at startup; only
+    its timing moves to the read (this is why the shim runs the server in its own process instead
+    of exec'ing it)."""
+    from ninfer_core.router import catalog
+
+    generated = (work / "router-preset.ini").resolve()
+    original = catalog.read_preset
+
+    def read_preset(path: str):
+        if Path(path).resolve() == generated:
+            try:
+                router_preset(work, user_preset)
+            except ShimError as e:
+                raise catalog.CatalogError(str(e)) from None
+        return original(path)
+
+    catalog.read_preset = read_preset
 
 
 def main(argv: list[str]) -> int:
     work_root = os.environ.get("NINFER_SHIM_WORK")
     work = Path(tempfile.mkdtemp(prefix="shim-", dir=work_root))
     try:
-        args = serve_argv(argv, work)
+        args, user_preset = serve_argv(argv, work)
     except ShimError as e:
         note(f"error: {e}")
         return 1
-    env = dict(os.environ)
-    if env.get("LLAMA_SERVER_DEBUG_FAKE_TIMING"):
+    if os.environ.get("LLAMA_SERVER_DEBUG_FAKE_TIMING"):
         # llama.cpp's router then waits 2 s before each load and inside each routed request, so
         # its queue tests can hold a model busy; NInfer's router does the same under its own name.
-        env["NINFER_DEBUG_FAKE_TIMING"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = [sys.executable, "-m", "ninfer_core.cli", "serve", *args]
+        os.environ["NINFER_DEBUG_FAKE_TIMING"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+    for stream in (sys.stdout, sys.stderr):  # the harness reads the server's output as it comes
+        stream.reconfigure(line_buffering=True)
     shown = ["***" if i and args[i - 1] == "--api-key" else a for i, a in enumerate(args)]
-    note("exec ninfer serve " + " ".join(shown))  # the key stays out of the log
+    note("ninfer serve " + " ".join(shown))  # the key stays out of the log
     os.chdir(REPO)
-    os.execve(sys.executable, cmd, env)
-    return 0  # not reached
+    sys.path.insert(0, str(REPO))  # this checkout's ninfer_core, as `python -m` from REPO would import
+    # The server runs in this process (the harness's SIGTERM and kill reach it, no wrapper is
+    # left behind), so the preset can be translated again on each read.
+    if "--models-preset" in args:
+        retranslate_on_read(work, user_preset)
+    from ninfer_core.cli import main as ninfer_main
+
+    return ninfer_main(["serve", *args])
 
 
 if __name__ == "__main__":

@@ -655,3 +655,23 @@ def test_count_tokens_errors_and_its_own_capacity(app):
     ctx.ingress.acquire()
     ctx.ingress.acquire()
     assert client.post("/v1/messages/count_tokens", json=body_of()).status_code == 200  # and the other way
+
+
+def test_count_tokens_without_model_counts_for_the_served_model(app):
+    """llama.cpp's server counts a body without `model` (test_sleep.py's
+    test_server_sleep_token_counting_wake): the count is for the model this server serves, the same
+    as with any label; a given model must still be a non-empty string, and Messages still needs it."""
+    client, _, engine = app()
+    named = client.post("/v1/messages/count_tokens", json=body_of())
+    assert named.status_code == 200
+    r = client.post("/v1/messages/count_tokens", json=body_of(model=DROP))
+    assert r.status_code == 200 and r.json() == named.json()
+    assert client.post("/v1/messages/count_tokens", json=body_of(model=None)).json() == named.json()
+    check_error(client.post("/v1/messages/count_tokens", json=body_of(model=5)), 400, "invalid_request_error",
+                "invalid_type", "model")
+    check_error(client.post("/v1/messages/count_tokens", json=body_of(model="")), 400, "invalid_request_error",
+                "invalid_value", "model")
+    check_error(client.post("/v1/messages/count_tokens", json=body_of(model=DROP, messages=DROP)), 400,
+                "invalid_request_error", "missing_required_parameter", "messages")
+    check_error(post(client, model=DROP), 400, "invalid_request_error", "missing_required_parameter", "model")
+    assert engine.requests == []

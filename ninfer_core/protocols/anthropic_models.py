@@ -54,9 +54,13 @@ class ThinkingConfig(CountThinkingConfig):
 
 
 class CountTokensRequest(_Wire):
-    """The fields a token count reads (output-only fields are not read, so they cannot fail it)."""
+    """The fields a token count reads (output-only fields are not read, so they cannot fail it).
 
-    model: str = Field(min_length=1)
+    `model` is optional here, as llama.cpp's server has it: a count names no model to generate
+    with, and a body without one counts for the model the server (or the router's default)
+    serves. Given, it must still be a non-empty string."""
+
+    model: str | None = Field(None, min_length=1)
     messages: Messages
     system: System = None
     tools: Tools = None
@@ -67,6 +71,7 @@ class CountTokensRequest(_Wire):
 
 
 class MessagesRequest(CountTokensRequest):
+    model: str = Field(min_length=1)
     thinking: ThinkingConfig | None = None
     max_tokens: int | None = Field(None, ge=1, description="omit it for the default output limit")
     temperature: float | None = Field(None, ge=0, le=1)

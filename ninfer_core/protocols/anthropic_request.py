@@ -46,7 +46,7 @@ RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "e
 class MessagesPlan:
     """A validated Messages request, ready to render and submit."""
 
-    model: str
+    model: str | None  # None: a token count that names no model
     messages: list[dict]  # chat-template messages
     tools: list[dict] | None  # OpenAI-form function tools as rendered (None: no tools offered)
     thinking: bool
@@ -83,7 +83,7 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
     # the top-level field types and ranges (model, max_tokens, sampling, stop_sequences, stream,
     # thinking's shape): pydantic, mapped by the one error mapper to the same codes and params
     anthropic_models.validate(data, count_only)
-    model = data["model"]
+    model = data.get("model")  # required by Messages (validated above); a count may omit it
     _refuse_executors(data)
     _graft(data)
 

@@ -78,6 +78,18 @@ def _need_suspend(slot: ModelSlot) -> None:
                           "--model-suspend.", param="model")
 
 
+def _flag(request: Request, name: str) -> bool:
+    values = request.query_params.getlist(name)
+    if not values:
+        return False
+    v = values[-1].strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise EngineError(400, "invalid_value", f"{name} must be 0 or 1, got {values[-1]!r}", param=name)
+
+
 async def _json(request: Request) -> Any:
     raw = await request.body()
     if not raw.strip():
@@ -91,8 +103,11 @@ async def _json(request: Request) -> Any:
 
 
 def lifecycle_routes(router: APIRouter, manager: ModelManager) -> None:
-    async def catalog() -> dict:
-        return {"object": "list", "data": [slot_object(s) for s in manager.slots]}
+    async def catalog(request: Request) -> dict:
+        # ?reload=1: read --models-dir / --models-preset again first (llama.cpp's router)
+        if _flag(request, "reload"):
+            await manager.reload()
+        return {"object": "list", "data": [slot_object(s) for s in manager.listed()]}
 
     async def load(request: Request) -> dict:
         slot = _find(manager, _body_model(await _json(request)))
@@ -179,10 +194,10 @@ def router_only_routes(router: APIRouter, manager: ModelManager) -> None:
     async def props() -> dict:
         return {"role": "router", "max_instances": manager.models_max, "models_autoload": manager.autoload,
                 "build_info": f"build ninfer {build_string()}", "endpoint_props": True,
-                "models": [{"id": s.name, "status": s.status} for s in manager.slots]}
+                "models": [{"id": s.name, "status": s.status} for s in manager.listed()]}
 
     async def list_models() -> dict:
-        return {"object": "list", "data": [slot_object(s) for s in manager.slots]}
+        return {"object": "list", "data": [slot_object(s) for s in manager.listed()]}
 
     for path in ("/health", "/v1/health"):
         router.add_api_route(path, health, methods=["GET", "HEAD"])

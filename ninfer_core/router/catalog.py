@@ -6,6 +6,11 @@ read with configparser: `[*]` holds options for every model; any other section i
 keys are `model` (or `artifact`) = PATH, `alias` = a, b, `load-on-startup` = true, and any serve
 option without its leading dashes (`kv-capacity = 65536`; a flag is `model-suspend = true`). A
 section named after a model of the directory configures that model and needs no path.
+`dedup-cache-models = true` (in a model's section or in `[*]`; llama.cpp's key, whose router
+hides the cache entry of a model a preset names) drops every --models-dir model that is the same
+artifact file as that preset model and has no section of its own: its name becomes one of the
+preset model's aliases, so a request naming it is served by the one Engine instead of a second
+copy of the same weights, and GET /models lists the model once.
 
 Each model's serve arguments are the preset's `[*]`, then its own section, then the command
 line, parsed by the `ninfer serve` parser itself: argparse keeps the last value of an option, so
@@ -19,11 +24,12 @@ import argparse
 import configparser
 import contextlib
 import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # Preset keys that describe the entry rather than pass to `ninfer serve`.
-ENTRY_KEYS = {"model", "artifact", "alias", "load-on-startup"}
+ENTRY_KEYS = {"model", "artifact", "alias", "load-on-startup", "dedup-cache-models"}
 # Options that stay the router's: the listener and the key belong to it, not to one model.
 ROUTER_ONLY = {"host", "port", "api-key", "stats-port", "models-dir", "models-preset", "models-max",
                "models-autoload", "no-models-autoload", "cors", "cors-origins", "webui-dir", "no-webui"}
@@ -141,6 +147,8 @@ def build_catalog(models_dir: str | None, preset: str | None, parser: argparse.A
                 entry.load_on_startup = _bool(sec["load-on-startup"], f"{where} load-on-startup")
             entry.preset_args = common + section_args(sec, parser, where)
             entries[name] = entry
+    if preset:
+        _dedup(entries, set(found), cp, preset)
     names: dict[str, str] = {}
     for e in entries.values():
         for n in (e.name, *e.aliases):
@@ -148,6 +156,32 @@ def build_catalog(models_dir: str | None, preset: str | None, parser: argparse.A
                 raise CatalogError(f"the model name {n!r} is given to both {names[n]!r} and {e.name!r}")
             names[n] = e.name
     return list(entries.values())
+
+
+def _same_file(a: str | None, b: str | None) -> bool:
+    try:
+        return bool(a and b) and os.path.samefile(a, b)
+    except OSError:  # a path that does not exist is no artifact of another entry
+        return False
+
+
+def _dedup(entries: dict[str, CatalogEntry], directory: set[str], cp: configparser.ConfigParser,
+           preset: str) -> None:
+    """dedup-cache-models: fold the --models-dir models (without a section of their own) that are
+    a preset model's artifact into that model as aliases."""
+    common = cp["*"].get("dedup-cache-models") if cp.has_section("*") else None
+    for name in cp.sections():
+        if name == "*" or name not in entries:
+            continue
+        value = cp[name].get("dedup-cache-models", common)
+        if value is None or not _bool(value, f"{preset} [{name}] dedup-cache-models"):
+            continue
+        entry = entries[name]
+        for other in sorted(directory):
+            if other != name and other in entries and not cp.has_section(other) \
+                    and _same_file(entries[other].path, entry.path):
+                del entries[other]
+                entry.aliases = (*entry.aliases, other)
 
 
 def model_arguments(entry: CatalogEntry, cli_argv: list[str], parser: argparse.ArgumentParser) -> argparse.Namespace:

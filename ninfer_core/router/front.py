@@ -144,7 +144,7 @@ class RouterFront:
             if slot is None:
                 if self.single and m.slots[0].ctx is not None and m.slots[0].ctx.serves_model(name):
                     return m.slots[0]
-                known = ", ".join(sorted(s.name for s in m.slots))
+                known = ", ".join(sorted(s.name for s in m.listed()))
                 raise EngineError(404, "model_not_found", f"The model '{name}' does not exist; this server serves: "
                                   f"{known}.", param="model")
             return slot

@@ -10,7 +10,11 @@ in worker threads. The rules (spec "Several models (router)"):
   ten minutes, then fails with 503;
 - a request that leaves while it waits gives up its place in the queue;
 - --sleep-idle-seconds / --unload-idle-seconds act on a model no request has used for that long;
-- a model whose Engine failed is unloaded once its requests are gone and loads on its next request.
+- a model whose Engine failed is unloaded once its requests are gone and loads on its next request;
+- GET /models?reload=1 (`reload`) reads the catalog again: a new model is listed unloaded (never
+  loaded by load-on-startup), a removed one leaves routing at once and the catalog once its
+  requests are gone and it is unloaded, a changed one takes its new path and arguments at its next
+  load (a loaded model keeps serving as it was loaded).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections import deque
 from typing import Any
 
 from ninfer_core.engine.api import EngineError
+from ninfer_core.router.catalog import CatalogError
 from ninfer_core.router.slots import LOADED, LOADING, SLEEPING, UNLOADED, UNLOADING, ModelSlot
 
 log = logging.getLogger("ninfer")
@@ -40,9 +45,11 @@ class ModelManager:
     def __init__(self, slots: list[ModelSlot], models_max: int, autoload: bool, router: bool = True):
         self.slots = slots
         self.by_name: dict[str, ModelSlot] = {}
-        for s in slots:
-            for n in s.names():
-                self.by_name[n] = s
+        self._index()
+        # the catalog read again (serve.py: build_slots; blocking, raises CatalogError); None: a
+        # single-model server, whose catalog is its one model
+        self.rebuild: Any = None
+        self._reloading: asyncio.Lock | None = None
         self.models_max = models_max
         self.autoload = autoload
         self.router = router
@@ -56,15 +63,23 @@ class ModelManager:
         self.fake_timing_s = FAKE_TIMING_S if router and os.environ.get("NINFER_DEBUG_FAKE_TIMING") else 0.0
 
     # -- lookup ------------------------------------------------------------------------------------
+    def _index(self) -> None:
+        self.by_name = {n: s for s in self.slots if not s.removed for n in s.names()}
+
+    def listed(self) -> list[ModelSlot]:
+        """The catalog (GET /models): every model but those a reload removed."""
+        return [s for s in self.slots if not s.removed]
+
     def find(self, name: str | None) -> ModelSlot | None:
         return self.by_name.get(name) if name else None
 
     def default_slot(self) -> ModelSlot | None:
         """The model a request that names none gets: the most recently used loaded one (the only
         one of a one-model catalog)."""
-        if len(self.slots) == 1:
-            return self.slots[0]
-        live = [s for s in self.slots if s.status in (LOADED, SLEEPING)]
+        listed = self.listed()
+        if len(listed) == 1:
+            return listed[0]
+        live = [s for s in listed if s.status in (LOADED, SLEEPING)]
         return max(live, key=lambda s: s.last_used) if live else None
 
     # -- events ------------------------------------------------------------------------------------
@@ -117,11 +132,19 @@ class ModelManager:
         while not self.stopping:
             await asyncio.sleep(IDLE_TICK_S)
             now = time.monotonic()
-            for s in self.slots:
+            for s in list(self.slots):
                 if s.moving or s.in_flight:
                     continue
                 idle = now - s.idle_since
-                if s.engine_failed is not None and s.status == LOADED:
+                if s.removed:  # a reload took it out of the catalog: unload, then forget it
+                    if s.status in (LOADED, SLEEPING):
+                        log.info("model %s left the catalog: unloading", s.name)
+                        self._spawn(self._unload(s))
+                    elif s.status == UNLOADED and s not in self._queue:
+                        self.slots.remove(s)
+                        self.publish({"model": s.name, "event": "model_remove"})
+                        self._notify()
+                elif s.engine_failed is not None and s.status == LOADED:
                     self._spawn(self._unload(s))
                 elif s.unload_idle_s and s.status in (LOADED, SLEEPING) and idle >= s.unload_idle_s:
                     log.info("model %s idle for %.0f s: unloading", s.name, idle)
@@ -132,7 +155,7 @@ class ModelManager:
 
     # -- transitions -------------------------------------------------------------------------------
     async def _run(self, slot: ModelSlot, status_during: str, fn, status_after: str, status_failed: str) -> bool:
-        slot.moving = True
+        slot.moving, slot.reserved = True, False
         self._set_status(slot, status_during)
         try:
             await asyncio.to_thread(fn)
@@ -148,6 +171,7 @@ class ModelManager:
     async def _load(self, slot: ModelSlot) -> None:
         slot.attempt += 1
         slot.failed, slot.error, slot.engine_failed = False, None, None
+        slot.apply_pending()  # a reload's changes to this model take effect now
         t0 = time.monotonic()
         log.info("model %s: loading from %s", slot.name, slot.path)
 
@@ -172,6 +196,7 @@ class ModelManager:
         if slot.status not in (LOADED, SLEEPING) or slot.moving:
             return
         await self._run(slot, UNLOADING, slot.do_unload, UNLOADED, UNLOADED)
+        slot.apply_pending()  # an unloaded model shows (and next loads with) what a reload read
         log.info("model %s: unloaded", slot.name)
 
     async def _sleep(self, slot: ModelSlot) -> bool:
@@ -215,6 +240,9 @@ class ModelManager:
             while True:
                 if self.stopping:
                     raise EngineError(503, "service_unavailable", "The server is stopping.")
+                if slot.removed:
+                    raise EngineError(404, "model_not_found", f"The model '{slot.name}' was removed from the "
+                                      "catalog.", param="model")
                 if slot.ready or (not wake and slot.status == SLEEPING and not slot.moving):
                     return
                 if attempt is not None and slot.attempt == attempt and slot.failed and slot.status == UNLOADED:
@@ -231,6 +259,7 @@ class ModelManager:
                     if self._queue[0] is slot:
                         if self._free_places(slot) > 0:
                             self._queue.popleft()
+                            slot.reserved = True  # until its load or wake task runs (slots.py)
                             if slot.status == UNLOADED:
                                 attempt = slot.attempt + 1
                                 self._spawn(self._load(slot))
@@ -315,6 +344,48 @@ class ModelManager:
             await self.acquire(slot)
         finally:
             self.leave(slot, used=False)
+
+    async def reload(self) -> None:
+        """GET /models?reload=1: read --models-dir / --models-preset again and merge the result.
+        A catalog that fails its checks (the startup checks) changes nothing: EngineError 500."""
+        if self.rebuild is None:
+            return
+        if self._reloading is None:
+            self._reloading = asyncio.Lock()
+        async with self._reloading:  # one reading at a time; a reload waits for the one under way
+            try:
+                fresh = await asyncio.to_thread(self.rebuild)
+            except CatalogError as e:
+                raise EngineError(500, "models_reload_failed", f"The catalog was not reloaded: {e}",
+                                  type_="server_error") from None
+            self._merge(fresh)
+
+    def _merge(self, fresh: list[ModelSlot]) -> None:
+        current = {s.name: s for s in self.slots}
+        wanted = {s.name for s in fresh}
+        for new in fresh:
+            old = current.get(new.name)
+            if old is None:
+                self.slots.append(new)
+                log.info("catalog reload: model %s added", new.name)
+                self.publish({"model": new.name, "event": "model_status", "data": {"status": new.status}})
+                continue
+            if old.removed:  # removed by an earlier reload, back before it was gone
+                old.removed = False
+            old.set_aliases(new.aliases)
+            if new.settings() != old.next_settings():
+                old.pending = (new.path, new.args)
+                if old.status == UNLOADED and not old.moving:
+                    old.apply_pending()
+                else:
+                    log.info("catalog reload: model %s changed; the change applies at its next load", old.name)
+        for old in self.slots:
+            if old.name not in wanted and not old.removed:
+                old.removed = True
+                log.info("catalog reload: model %s removed; it leaves once its requests are gone", old.name)
+        self._index()
+        self.publish({"model": "*", "event": "models_reload"})
+        self._notify()
 
     def on_engine_failure(self, slot: ModelSlot, reason: str) -> None:
         """From the Engine's worker thread: requests then get 503 engine_failed; unload once idle."""

@@ -159,6 +159,14 @@ def run_router(args: Any, host: Any) -> int:
         return _fail(str(e))
     manager = ModelManager(slots, args.models_max, args.models_autoload)
     backend.manager = manager
+
+    def rebuild() -> list[ModelSlot]:  # GET /models?reload=1: the startup checks, on the files as they are now
+        try:
+            return build_slots(args, host, backend)
+        except (PrepareError, PluginError) as e:
+            raise CatalogError(str(e)) from None
+
+    manager.rebuild = rebuild
     ctx = ServerContext(options=options, plugins=host)
     ctx.mark_ready()
     own, own_paths = own_app(manager, router_mode=True)
@@ -188,7 +196,7 @@ def run_router(args: Any, host: Any) -> int:
     finally:
         for sock in socks:
             sock.close()
-        for s in slots:  # a lifespan that never ran its shutdown: unload here
+        for s in manager.slots:  # a lifespan that never ran its shutdown: unload here
             if s.loaded is not None:
                 s.do_unload()
         log.info("server stopped")

@@ -8,6 +8,7 @@ changed only on the event loop, by ninfer_core.router.manager.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -45,7 +46,14 @@ class ModelSlot:
         self.last_used = 0.0  # monotonic time of the last request that used it (LRU order)
         self.idle_since = time.monotonic()
         self.moving = False  # a load, unload, sleep or wake is running
+        # given a place by the room queue, its load (or wake) task not started yet: it occupies the
+        # place already, or the next waiter, woken by the same change, would take it too
+        self.reserved = False
         self.attempt = 0  # counts loads, so a waiter sees whether the load it waited on failed
+        # GET /models?reload=1 (manager.reload): a changed entry's (path, args) wait here for the
+        # model's next load; a removed entry leaves routing at once and the catalog once unloaded.
+        self.pending: tuple[str | None, Any] | None = None
+        self.removed = False
 
     # -- facts -------------------------------------------------------------------------------------
     @property
@@ -63,7 +71,8 @@ class ModelSlot:
     @property
     def occupies(self) -> bool:
         """Counts toward --models-max: it holds (or is taking, or still giving back) device memory."""
-        return self.status in (LOADING, LOADED, UNLOADING) or (self.status == SLEEPING and self.moving)
+        return self.reserved or self.status in (LOADING, LOADED, UNLOADING) or \
+            (self.status == SLEEPING and self.moving)
 
     @property
     def ready(self) -> bool:
@@ -77,6 +86,28 @@ class ModelSlot:
         return (self.name, *self.aliases)
 
     # -- blocking work (threads) -------------------------------------------------------------------
+    def settings(self) -> tuple[str | None, list[str]]:
+        """What a reload compares: the artifact and the serve arguments (preset, then command line)."""
+        return self.path, list(getattr(self.args, "serve_argv_model", None) or [])
+
+    def set_aliases(self, aliases: tuple[str, ...]) -> None:
+        """A reload's aliases apply at once: the router routes them, and a loaded model's own
+        routes (which check the body's model name) accept them."""
+        self.aliases = aliases
+        ctx = self.ctx
+        if ctx is not None and getattr(ctx, "model", None) is not None:
+            ctx.model = dataclasses.replace(ctx.model, aliases=tuple(a for a in aliases if a != ctx.model.id))
+
+    def next_settings(self) -> tuple[str | None, list[str]]:
+        """The settings its next load uses: a reload's pending change, else its own."""
+        if self.pending is None:
+            return self.settings()
+        return self.pending[0], list(getattr(self.pending[1], "serve_argv_model", None) or [])
+
+    def apply_pending(self) -> None:
+        if self.pending is not None:
+            (self.path, self.args), self.pending = self.pending, None
+
     def do_load(self) -> None:
         self.loaded = self.backend.load(self)
 

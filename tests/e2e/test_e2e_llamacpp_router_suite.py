@@ -57,28 +57,24 @@ ALL_TESTS = [ROUTER + t for t in (
 # name -> why it fails against NInfer (docs/router.md "llama.cpp's router and sleep tests").
 EXPECTED_FAILURES = {
     ROUTER + "test_router_no_models_autoload":
-        "expects 400 for a model that is not loaded with autoload off; the spec answers 503 model_not_loaded",
-    ROUTER + "test_router_reload_models":
-        "GET /models?reload=1 (re-reading the preset while serving) is not in the spec; the catalog is fixed at "
-        "startup",
-    ROUTER + "test_router_dedup_cache_models":
-        "dedup-cache-models hides Hugging Face cache entries; NInfer has no Hugging Face cache, the key is dropped",
+        "expects 400 for a model that is not loaded with autoload off; the spec answers 503 model_not_loaded "
+        "('the request then fails with 503 model_not_loaded')",
     ROUTER + "test_router_remote_preset":
-        "a preset fetched from a Hugging Face repository (ggml-org/test-preset-ci): nothing is downloaded",
+        "a preset fetched from the Hugging Face repository ggml-org/test-preset-ci: blocked by the network (this "
+        "machine cannot reach huggingface.co; the shim refuses the repository, status 1)",
     ROUTER + "test_router_download_model":
-        "POST /models downloads a model from Hugging Face with download_* SSE events: not in the spec",
+        "POST /models downloads ggml-org/test-model-router-download from Hugging Face with download_* SSE events: "
+        "blocked by the network, and not in the spec (its Endpoints have no POST /models: 404 model_not_found)",
     ROUTER + "test_router_delete_model":
-        "DELETE /models deletes a downloaded model (after downloading one): not in the spec",
+        "DELETE /models of a downloaded model, which it downloads first: blocked by the network, not in the spec",
     SLEEP + "test_server_sleep_read_only_endpoints":
-        "/metrics while asleep must equal the last scrape byte for byte; NInfer reports the sleeping model as it "
-        "is and ninfer:uptime_seconds keeps counting (every llamacpp: series is unchanged)",
+        "/metrics while asleep must equal the last scrape byte for byte; every series does but "
+        "ninfer:uptime_seconds, which the spec defines as seconds since the Engine became ready (a sleeping "
+        "model is reported as it is)",
     SLEEP + "test_server_sleep_metrics_buckets":
-        "llamacpp:predicted_tokens_seconds is the spec's decoded tokens over decode seconds since startup, not "
-        "llama.cpp's window since the last scrape; and /tokenize runs on the host without waking the model (the "
-        "spec: 'The tokenizer endpoints answer from the host, so they do not wake a sleeping model')",
-    SLEEP + "test_server_sleep_token_counting_wake":
-        "the two input_tokens counts wake the model and pass; the third, POST /v1/messages/count_tokens without a "
-        "'model' field, is 400 missing_required_parameter (param model): the Anthropic request requires it",
+        "llamacpp:predicted_tokens_seconds is decoded tokens over decode seconds since startup, not llama.cpp's "
+        "window since the last scrape; and it expects /tokenize to wake the model, which the spec forbids ('The "
+        "tokenizer endpoints answer from the host, so they do not wake a sleeping model')",
 }
 
 

@@ -487,3 +487,24 @@ def test_a_request_log_in_a_missing_directory_fails_startup(launch, tmp_path, mo
         launch(None, "--models-dir", str(models_dir), "--request-log-jsonl", str(tmp_path / "nowhere" / "r.jsonl"),
                log_dir=tmp_path)
     assert "rc=1" in str(e.value) and "error: model " in str(e.value) and "does not exist" in str(e.value)
+
+
+def test_count_tokens_without_model_uses_the_most_recently_used_model(router):
+    """A count that names no model goes where every other route's request goes: the most recently
+    used loaded (or sleeping) model, woken first; with none loaded, 400 model_required in
+    Anthropic's envelope."""
+    s = router("--models-max", "1", "--model-suspend")
+    base = s.base_url
+    body = {"messages": [{"role": "user", "content": "Count me."}]}
+    r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["code"] == "model_required" and r.json()["error"]["param"] == "model"
+    assert chat(base, "tiny-b").status_code == 200
+    assert httpx.post(base + "/models/sleep", json={"model": "tiny-b"}).status_code == 200
+    r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    cat = status(base)
+    assert cat["tiny-b"]["status"]["value"] == "loaded"  # woken for the count
+    assert cat["tiny-a"]["status"]["value"] == "unloaded"
+    named = httpx.post(base + "/v1/messages/count_tokens", json={"model": "tiny-b", **body}, timeout=60)
+    assert named.json() == r.json()

@@ -57,3 +57,27 @@ def test_suspend_needs_the_option(launch, tmp_path):
         assert httpx.post(s.base_url + "/completion", json={"prompt": "Hi", "n_predict": 1}).status_code == 200
     finally:
         s.stop()
+
+
+def test_count_tokens_without_model_wakes_the_one_model(launch, tmp_path):
+    """llama.cpp's test_server_sleep_token_counting_wake: every token count wakes a sleeping model,
+    Anthropic's count_tokens too, whose body may leave `model` out (the server's one model)."""
+    import anthropic
+
+    s = launch(None, "--model-suspend", "--sleep-idle-seconds", "1", "--log-stats-interval-ms", "0", log_dir=tmp_path)
+    try:
+        base = s.base_url
+        client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+        named = client.messages.count_tokens(model="any-label", messages=[{"role": "user", "content": "Hello world"}])
+        _wait(lambda: _props(base)["is_sleeping"])
+        r = httpx.post(base + "/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": "Hello world"}]},
+                       timeout=60)
+        assert r.status_code == 200 and r.json() == {"input_tokens": named.input_tokens}
+        assert _props(base)["is_sleeping"] is False
+        r = httpx.post(base + "/v1/messages/count_tokens", json={"model": 7, "messages": []}, timeout=60)
+        e = r.json()
+        assert r.status_code == 400 and e["type"] == "error" and e["error"]["type"] == "invalid_request_error"
+        assert e["error"]["code"] == "invalid_type" and e["error"]["param"] == "model"
+        assert r.headers["request-id"] == e["request_id"]
+    finally:
+        s.stop()
