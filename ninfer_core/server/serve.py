@@ -108,7 +108,7 @@ def run_serve(args, host: PluginHost | None = None) -> int:
         return _fail(f"cannot open artifact {path}: {e}")
     try:
         family_reg = host.family_for_architecture(artifact.architecture)
-        host.resolve("kv_dtype", options.engine.kv_dtype)
+        host.resolve("kv_dtype", options.engine.kv_dtype)  # refused before the port is bound; the Loader uses it
     except PluginError as e:
         return _fail(str(e))
     from ninfer_core.tokenizer.builtin_templates import resolve_chat_template
