@@ -17,7 +17,7 @@ HOOKS = sorted(n for n, f in vars(hookspecs).items() if n.startswith("ninfer_") 
 
 
 def headings() -> dict[str, list[str]]:
-    return {p.name: re.findall(r"^#{1,4} (.+)$", p.read_text(), flags=re.M) for p in DOCS.glob("*.md")}
+    return {p.name: re.findall(r"^#{1,4} (.+)$", p.read_text(), flags=re.MULTILINE) for p in DOCS.glob("*.md")}
 
 
 def test_the_hook_list_is_not_empty():
@@ -38,7 +38,7 @@ def test_every_page_is_linked_from_the_index():
 
 def quoted_files() -> dict[str, str]:
     text = (DOCS / "tutorial.md").read_text()
-    return dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```\n", text, flags=re.S))
+    return dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```\n", text, flags=re.DOTALL))
 
 
 def test_the_tutorial_quotes_every_file_of_the_example_verbatim():
