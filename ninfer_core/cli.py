@@ -90,6 +90,10 @@ def build_parser(host=None) -> argparse.ArgumentParser:
                         "default: none)")
     c.add_argument("--mtp-proposal-corpus", default=None, metavar="FILE",
                    help="UTF-8 text whose token counts choose the proposal head's rows (default: none)")
+    for kind in ("dflash", "dflash2"):
+        c.add_argument(f"--{kind}", default=None, metavar="DIR",
+                       help=f"also store a published {kind} drafter checkpoint (config.json + *.safetensors) as the "
+                            f"artifact's {kind} component (--spec {kind} drafts through it; replaces one already stored)")
     c.add_argument("--name", default=None, help="model name stored in the manifest (default: the directory name)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 

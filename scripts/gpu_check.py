@@ -10,6 +10,11 @@ into PYTHONPATH first; see docs/bench.md):
 Gemma 4 (issue 16): `--order gemma4 --bench` runs plugins/gemma4's CUDA checks (the Triton
 sliding-window attention in bf16 at the real head geometry; the runner in bf16 against
 transformers at the 31B and 26B-A4B widths, within 1e-2).
+
+DFlash (issue 24): `--order dflash` benches ninfer-tiny's trained MTP, DFlash and DFlash2 drafters
+side by side (acceptance length and tok/s at K = 7 and 15, batch 1 and 8), then the 27B shape's
+verify round at width 8 and 16 against a plain decode step and the engine at the oracle's
+acceptance (`ninfer bench --spec oracle --spec-k 7,15`).
 """
 
 from __future__ import annotations
@@ -129,7 +134,26 @@ def main() -> int:
         if rc != 0:
             summary.append(text[-4000:])
 
-    parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4}
+    def part_dflash():
+        tiny = os.path.join(ROOT, "plugins", "tiny", "ninfer_tiny", "data", "ninfer-tiny.ninfer")
+        runs = [("tiny", [tiny, "--spec", "mtp,dflash,dflash2", "--spec-k", "7,15", "--spec-batches", "1,8",
+                          "--spec-tokens", "128"]),
+                ("27b", ["qwen3.5-27b", "--spec", "oracle", "--spec-k", "7,15", "--spec-batches", "1,8",
+                         "--spec-tokens", "128", "--spec-rounds", "16"])]
+        for tag, args in runs:
+            left = a.budget - (time.monotonic() - t_start)
+            if left < 60:
+                summary.append(f"== dflash {tag}: skipped, {left:.0f} s left")
+                continue
+            js = os.path.join(a.out, f"dflash-{tag}.json")
+            cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", *args, "--spec-only", "--json", js]
+            rc, dt, text = run(cmd, os.path.join(a.out, f"dflash-{tag}.log"), left - 10)
+            summary.append(f"== dflash {tag} rc={rc} in {dt:.0f} s")
+            start = text.find("speculative rounds")
+            summary.append(text[start:].strip() if start >= 0 else text[-3000:])
+
+    parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4,
+             "dflash": part_dflash}
     for name in a.order.split(","):
         parts[name.strip()]()
 

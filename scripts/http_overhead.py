@@ -1,6 +1,6 @@
 """CPU measurement of the HTTP server path's overhead (issue 6), without a device.
 
-Runs `ninfer bench`'s own HTTP-vs-engine comparison (`ninfer_core.bench.run.http_vs_engine`: the
+Runs `ninfer bench`'s own HTTP-vs-engine comparison (`ninfer_core.bench.http_compare.http_vs_engine`: the
 real FastAPI/uvicorn server on a loopback port, httpx streaming clients in a process of their own,
 the same requests submitted straight to the engine) over a stand-in runner whose forwards cost a
 fixed time with the GIL released (`time.sleep`), the way a CUDA-graph replay plus the token read
@@ -94,7 +94,7 @@ class SleepRunner(ToyRunner):
 
 
 def serve(runner, clients: int, tokens: int):
-    """The bench's server set-up (`ninfer_core.bench.run.http_vs_engine`) over `runner`: returns
+    """The bench's server set-up (`ninfer_core.bench.http_compare.http_vs_engine`) over `runner`: returns
     (engine, server, thread, port, tokenizer, template)."""
     import threading
 

@@ -20,6 +20,7 @@ def run_convert(args, check_manifest=None) -> int:
     before any tensor is written."""
     head = getattr(args, "mtp_proposal_head", None)
     corpus = getattr(args, "mtp_proposal_corpus", None)
+    drafters = {k: getattr(args, k) for k in ("dflash", "dflash2") if getattr(args, k, None)}
     progress = not getattr(args, "no_progress", False)
     try:
         if head is not None and not corpus:
@@ -29,10 +30,11 @@ def run_convert(args, check_manifest=None) -> int:
             raise ArtifactError("--mtp-proposal-corpus is used with --mtp-proposal-head N")
         if os.path.isfile(args.hf_dir) and args.hf_dir.endswith(".ninfer"):
             manifest = convert_artifact(args.hf_dir, args.out, name=args.name, progress=progress,
-                                        proposal_head=head, corpus=corpus)
+                                        proposal_head=head, corpus=corpus, drafters=drafters)
         else:
             manifest = convert_hf_dir(args.hf_dir, args.out, name=args.name, progress=progress,
-                                      proposal_head=head, corpus=corpus, check_manifest=check_manifest)
+                                      proposal_head=head, corpus=corpus, check_manifest=check_manifest,
+                                      drafters=drafters)
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -50,11 +52,12 @@ def run_convert(args, check_manifest=None) -> int:
 
 
 def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
-                   corpus: str | None = None, check_manifest=None) -> dict:
+                   corpus: str | None = None, check_manifest=None, drafters: dict | None = None) -> dict:
     """Convert `hf_dir` into the artifact `out`; returns the manifest written. ArtifactError on bad input.
 
     `proposal_head` N (with `corpus`): also store an optimised proposal head of N rows
-    (`ninfer_core.artifact.proposal`)."""
+    (`ninfer_core.artifact.proposal`). `drafters` {kind: checkpoint dir}: drafter companions
+    (`ninfer_core.artifact.drafters`)."""
     hf_dir = os.fspath(hf_dir)
     out = os.fspath(out)
     if not os.path.isdir(hf_dir):
@@ -77,14 +80,18 @@ def convert_hf_dir(hf_dir, out, name: str | None = None, progress: bool = False,
 
             loaders = {sp.name: sp.load for sp in specs}
             specs += proposal_specs(manifest, loaders, lambda n: loaders[n](), proposal_head, corpus, progress)
+        if drafters:
+            from ninfer_core.artifact.drafters import add_drafters
+
+            specs = add_drafters(manifest, specs, drafters, stack)
         write_artifact(out, manifest, specs, progress=progress)
     return manifest
 
 
 def convert_artifact(src, out, name: str | None = None, progress: bool = False, proposal_head: int | None = None,
-                     corpus: str | None = None) -> dict:
+                     corpus: str | None = None, drafters: dict | None = None) -> dict:
     """Re-write the artifact `src` as `out` (same tensors and manifest), adding or replacing its
-    proposal head when `proposal_head` is given."""
+    proposal head when `proposal_head` is given and its drafter companions in `drafters`."""
     from ninfer_core.artifact.proposal import TOKEN_IDS, WEIGHT, proposal_specs
     from ninfer_core.artifact.reader import Artifact
 
@@ -103,7 +110,12 @@ def convert_artifact(src, out, name: str | None = None, progress: bool = False, 
             specs.append(TensorSpec(n, t.dtype, tuple(t.shape), lambda n=n: art.get_tensor(n)))
         if proposal_head is not None:
             specs += proposal_specs(manifest, names, art.get_tensor, proposal_head, corpus, progress)
-        write_artifact(out, manifest, specs, progress=progress)
+        with contextlib.ExitStack() as stack:
+            if drafters:
+                from ninfer_core.artifact.drafters import add_drafters
+
+                specs = add_drafters(manifest, specs, drafters, stack)
+            write_artifact(out, manifest, specs, progress=progress)
     finally:
         art.close()
     return manifest

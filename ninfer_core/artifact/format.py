@@ -26,7 +26,7 @@ HEADER_CRC_KEY = "ninfer.header_crc32"
 # safetensors refuses headers above 100 MB; a 250k-token BPE tokenizer section is ~5 MB.
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8
-COMPONENT_ORDER = ("text", "mtp", "dflash", "vision")
+COMPONENT_ORDER = ("text", "mtp", "dflash", "dflash2", "vision")
 
 
 class ArtifactError(Exception):
@@ -84,6 +84,8 @@ def component_of(name: str) -> str:
     by the prefixes Hugging Face checkpoints use for these towers."""
     if name.startswith(("mtp.", "mtp_proposal.")):
         return "mtp"
+    if name.startswith(("dflash.", "dflash2.")):  # drafter companions (ninfer_core.artifact.drafters)
+        return name.split(".", 1)[0]
     if name.startswith(("model.visual.", "visual.", "model.vision_tower.", "model.embed_vision.")):
         return "vision"
     if name.startswith(("model.audio_tower.", "model.embed_audio.")):

@@ -11,14 +11,10 @@ reading back only the sampled token ids.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -72,41 +68,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_spec_bench_arguments(p)
 
 
-# ---- timing --------------------------------------------------------------------------------------
-def _sync(torch, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(torch, device, fn, repeats: int) -> float:
-    """Median wall seconds of fn() over `repeats` runs, device synchronised around each."""
-    out = []
-    for _ in range(max(1, repeats)):
-        _sync(torch, device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(torch, device)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
-def measure_ceilings(torch, device) -> dict:
-    """Device copy bandwidth (bytes read + written per second) and the bf16 matmul rate."""
-    cuda = device.type == "cuda"
-    n_bytes = (2 << 30) if cuda else (64 << 20)
-    a = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    t = _timed(torch, device, lambda: [b.copy_(a) for _ in range(10)], 5) / 10
-    bw = 2 * n_bytes / t
-    del a, b
-    n = 8192 if cuda else 512
-    dt = torch.bfloat16 if cuda else torch.float32
-    xs = [torch.randn(n, n, device=device, dtype=dt) for _ in range(3)]
-    out = torch.empty(n, n, device=device, dtype=dt)
-    torch.matmul(xs[0], xs[1], out=out)
-    t = _timed(torch, device, lambda: [torch.matmul(xs[i % 3], xs[(i + 1) % 3], out=out) for i in range(10)], 5) / 10
-    return {"copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": 2 * n**3 / t / 1e12}
+# ---- timing and ceilings (ceilings.py) -------------------------------------------------------------
+from ninfer_core.bench.ceilings import measure_ceilings
+from ninfer_core.bench.ceilings import sync as _sync
+from ninfer_core.bench.ceilings import timed as _timed
 
 
 # ---- model facts -----------------------------------------------------------------------------------
@@ -297,6 +262,14 @@ def profile_kernels(torch, runner, lanes, prompt_len: int, prefill_len: int, voc
     return out
 
 
+def _floor_cell(v: dict) -> str:
+    """The read-stream floor (and, when the run measured it, the copy-bandwidth one)."""
+    cell = f"{v['vs_floor']:.2f} of floor {v['floor_total_tok_s']:,.0f}"
+    if "copy_floor_total_tok_s" in v:
+        cell += f" ({v['vs_copy_floor']:.2f} of copy floor {v['copy_floor_total_tok_s']:,.0f})"
+    return cell
+
+
 def render_profile(prof: dict) -> str:
     lines = []
     for name, t in prof.items():
@@ -348,117 +321,6 @@ def hf_figures(torch, hf, runner, args, vocab) -> dict:
                                 "total_tok_s": b * args.hf_decode_steps / t}
             del out, cache
     return res
-
-
-# ---- HTTP vs the bare engine ---------------------------------------------------------------------------
-# Below this fraction of the model's ids decoding to text, the HTTP row uses a covering tokenizer.
-MIN_TEXT_COVERAGE = 0.99
-
-
-def http_vs_engine(runner, family, art, host, args, device) -> dict:
-    """The same streaming chat requests through the real FastAPI/uvicorn server (httpx clients on
-    loopback) and straight into the engine; total generated tokens over wall time for each."""
-    import uvicorn
-
-    from ninfer_core.bench.text_tokenizer import covering_section, template_controls, text_coverage
-    from ninfer_core.config import EngineOptions, ServeOptions
-    from ninfer_core.engine.api import GenerationRequest, SamplingParams
-    from ninfer_core.engine.engine import Engine
-    from ninfer_core.server.app import create_app
-    from ninfer_core.server.context import ServedModel, ServerContext
-    from ninfer_core.server.prepare import default_sampling_presets
-    from ninfer_core.server.serve import bind_socket
-    from ninfer_core.tokenizer import Tokenizer
-    from ninfer_core.tokenizer.chat_format import attach
-    from ninfer_core.tokenizer.chat_template import ChatTemplate
-
-    template_source = art.chat_template or getattr(family, "chat_template", None)
-    if not template_source:
-        raise RuntimeError("the artifact has no chat template and its family bundles none")
-    tok = Tokenizer.from_section(art.tokenizer_section)
-    # Random weights sample ids over the whole vocabulary: with a tokenizer that leaves most of
-    # them without text (the small one of the named shapes, a tiny test artifact) the streams would
-    # carry almost no per-token events. Then every id gets a printable token of its own.
-    vocab = runner.info.vocab_size
-    coverage = text_coverage(tok, vocab)
-    tokenizer_used = "artifact"
-    template = ChatTemplate(template_source)
-    messages = [{"role": "user", "content": "Benchmark prompt number {i}: say anything."}]
-    if coverage < MIN_TEXT_COVERAGE:
-        # only the control tokens the bench's own prompts render (with thinking on and off)
-        rendered = template.render(messages) + template.render(messages, enable_thinking=False)
-        tok = Tokenizer.from_section(covering_section(vocab, template_controls(art.tokenizer_section, rendered)))
-        tokenizer_used = f"bench (every id a printable token; the artifact's gives text for {coverage:.1%})"
-    if hasattr(family, "chat_format"):  # the family's markup, as the server's loader attaches it
-        attach(tok, family.chat_format(art))
-    clients = max(args.http_clients)
-    prompt_len = len(tok.encode(template.render(messages)))
-    max_context = prompt_len + args.http_tokens + 64
-    eng_opts = EngineOptions(max_context=max_context, kv_capacity=clients * max_context, max_concurrency=clients,
-                             prefill_chunk=1024, device=str(device), cuda_graph=not args.no_cuda_graph)
-    runner.free_cache()  # graphs and cache go before the engine sizes its own pool
-    engine = Engine(runner, tok, eng_opts)
-    engine.start()
-    ctx = ServerContext(options=ServeOptions(engine=eng_opts, log_level="warning"), plugins=host)
-    ctx.model = ServedModel(id="bench", artifact_path=art.path, architecture=art.architecture,
-                            max_model_len=eng_opts.max_context, n_vocab=tok.vocab_size)
-    ctx.tokenizer, ctx.chat_template, ctx.engine = tok, template, engine
-    ctx.sampling_presets = default_sampling_presets(art.architecture, family)
-    ctx.mark_ready()
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-
-    from ninfer_core.bench.http_load import messages as msgs
-
-    async def one_engine(i):
-        ids = tok.encode(template.render(msgs(i)))
-        req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(greedy=True, temperature=0.0),
-                                max_tokens=args.http_tokens, ignore_eos=True, request_id=f"bench-{i}")
-        n = texts = 0
-        async for ev in engine.submit(req).events():
-            if ev.kind == "delta":
-                texts += 1 if ev.text else 0
-            elif ev.kind == "error":
-                raise RuntimeError(ev.error.message)
-            elif ev.kind == "finish":
-                n = ev.usage.completion_tokens if ev.usage else n
-        return n, texts
-
-    def http_round(k):
-        """The streaming clients run in their own process (ninfer_core.bench.http_load)."""
-        p = subprocess.run([sys.executable, "-m", "ninfer_core.bench.http_load", str(port), str(k),
-                            str(args.http_tokens)], capture_output=True, text=True, timeout=600)
-        if p.returncode != 0:
-            raise RuntimeError(f"HTTP load failed: {p.stderr[-500:]}")
-        got = json.loads(p.stdout.strip().splitlines()[-1])
-        return got["tokens"], got["seconds"], got["text_events"]
-
-    async def engine_round(k):
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one_engine(i) for i in range(k)))
-        return sum(c[0] for c in counts), time.perf_counter() - t0, sum(c[1] for c in counts)
-
-    out: dict[Any, Any] = {"tokenizer": tokenizer_used}
-    try:
-        for k in args.http_clients:
-            asyncio.run(engine_round(k))  # warm-up (graphs of this width)
-            n_e, t_e, x_e = asyncio.run(engine_round(k))
-            http_round(k)  # warm-up of the server path (first requests, client process start)
-            n_h, t_h, x_h = http_round(k)
-            out[k] = {"engine_tok_s": n_e / t_e, "http_tok_s": n_h / t_h, "ratio": (n_h / t_h) / (n_e / t_e),
-                      "tokens": n_h, "engine_tokens": n_e, "text_events": x_h, "engine_text_events": x_e}
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        engine.shutdown()
-        snap = engine.snapshot() if hasattr(engine, "snapshot") else {}
-        out["idle_after"] = snap
-    return out
 
 
 # ---- the run -------------------------------------------------------------------------------------------
@@ -533,8 +395,8 @@ def run_bench(a: argparse.Namespace) -> int:
                            else "cpu", "torch": torch.__version__, "cuda_graph": not a.no_cuda_graph}
     t0 = time.perf_counter()
     res["ceilings"] = ceil = measure_ceilings(torch, device)
-    print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:,.0f} GB/s, matmul {ceil['matmul_TFLOPs']:,.1f} TFLOP/s",
-          flush=True)
+    print(f"ceilings: read {ceil['read_bandwidth_GBps']:,.0f} GB/s, copy {ceil['copy_bandwidth_GBps']:,.0f} GB/s, "
+          f"matmul {ceil['matmul_TFLOPs']:,.1f} TFLOP/s", flush=True)
     runner = family.load(art, device=str(device))
     # forwards of at most the engine's default prefill chunk per lane, as `ninfer serve` runs them (a
     # runner whose per-lane cache depends on it, a sliding-window ring, splits longer prefills)
@@ -565,7 +427,10 @@ def run_bench(a: argparse.Namespace) -> int:
         print(render_spec(res), flush=True)
         _write_json(a, res)
         return 0
-    bw = ceil["copy_bandwidth_GBps"] * 1e9
+    # the decode floor: a step's bytes at the read-only stream rate (it writes almost nothing); the
+    # copy-bandwidth floor (read + write) is reported beside it, as earlier runs quoted it
+    bw = ceil["read_bandwidth_GBps"] * 1e9
+    copy_bw = ceil["copy_bandwidth_GBps"] * 1e9
     mm_tok_s = ceil["matmul_TFLOPs"] * 1e12 / facts["matmul_flops_per_token"]
     pre = ninfer_prefill(torch, runner, long_lanes, a.prefill_lens, vocab, a.repeats, a.seed)
     res["prefill"] = {n: dict(v, vs_matmul=v["tok_s"] / mm_tok_s) for n, v in pre.items()}
@@ -574,14 +439,17 @@ def run_bench(a: argparse.Namespace) -> int:
     dec = {}
     for b in a.decode_batches:
         d = ninfer_decode(torch, runner, lanes, b, a.decode_prompt, steps, vocab, a.seed)
-        floor = b * bw / step_bytes(facts, spec, b, d["context"], runner)
-        dec[b] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
+        sb = step_bytes(facts, spec, b, d["context"], runner)
+        floor, copy_floor = b * bw / sb, b * copy_bw / sb
+        dec[b] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor,
+                      copy_floor_total_tok_s=copy_floor, vs_copy_floor=d["total_tok_s"] / copy_floor)
         print(f"decode b={b}: {d['total_tok_s']:,.1f} tok/s total", flush=True)
     res["decode"] = dec
     if a.long_context:
         d = ninfer_decode(torch, runner, long_lanes, 1, a.long_context, steps, vocab, a.seed, a.long_chunk)
-        floor = bw / step_bytes(facts, spec, 1, d["context"], runner)
-        res["decode_long"] = dict(d, floor_total_tok_s=floor, vs_floor=d["total_tok_s"] / floor)
+        sb = step_bytes(facts, spec, 1, d["context"], runner)
+        res["decode_long"] = dict(d, floor_total_tok_s=bw / sb, vs_floor=d["total_tok_s"] * sb / bw,
+                                  copy_floor_total_tok_s=copy_bw / sb, vs_copy_floor=d["total_tok_s"] * sb / copy_bw)
         print(f"decode after {a.long_context}: {d['total_tok_s']:,.1f} tok/s", flush=True)
 
     if a.profile:
@@ -589,6 +457,11 @@ def run_bench(a: argparse.Namespace) -> int:
             res["profile"] = profile_kernels(torch, runner, long_lanes, a.decode_prompt,
                                              max(a.prefill_lens or [512]), vocab, a.seed)
             print(render_profile(res["profile"]), flush=True)
+            from ninfer_core.bench.ceilings import linear_rates, render_linear_rates
+
+            res["linear_rates"] = linear_rates(torch, runner.model, device, runner.model.embed_tokens.weight.dtype,
+                                               read_GBps=ceil["read_bandwidth_GBps"])
+            print(render_linear_rates(res["linear_rates"]), flush=True)
         except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the table
             res["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"profile failed: {res['profile']['error']}", flush=True)
@@ -605,6 +478,8 @@ def run_bench(a: argparse.Namespace) -> int:
 
     if a.http_clients:
         try:
+            from ninfer_core.bench.http_compare import http_vs_engine
+
             res["http"] = http_vs_engine(runner, family, art, host, a, device)
         except Exception as e:  # noqa: BLE001
             res["http"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -647,14 +522,13 @@ def render_table(res: dict) -> str:
         ht = h.get("total_tok_s")
         rows.append((f"decode b={b} tok/s total", _fmt(v["total_tok_s"]), _fmt(ht),
                      _fmt(v["total_tok_s"] / ht, 2) if ht else "-",
-                     f"{v['vs_floor']:.2f} of floor {v['floor_total_tok_s']:,.0f}"))
+                     _floor_cell(v)))
     dec = res.get("decode", {})
     if 1 in dec and 8 in dec:
         rows.append(("decode b=8 / b=1 total", _fmt(dec[8]["total_tok_s"] / dec[1]["total_tok_s"], 2), "", "", ""))
     if "decode_long" in res:
         v = res["decode_long"]
-        rows.append((f"decode b=1 after {v['context']} tok/s", _fmt(v["total_tok_s"]), "", "",
-                     f"{v['vs_floor']:.2f} of floor {v['floor_total_tok_s']:,.0f}"))
+        rows.append((f"decode b=1 after {v['context']} tok/s", _fmt(v["total_tok_s"]), "", "", _floor_cell(v)))
     http = res.get("http") or {}
     for k, v in http.items():
         if isinstance(k, int) or str(k).isdigit():
@@ -663,7 +537,8 @@ def render_table(res: dict) -> str:
     c = res.get("ceilings", {})
     head = (f"ninfer bench  shape={res.get('shape')}  device={res.get('device')}  torch={res.get('torch')}  "
             f"cuda_graph={res.get('cuda_graph')}\n"
-            f"ceilings: copy {c.get('copy_bandwidth_GBps', 0):,.0f} GB/s (read+write), bf16 matmul "
+            f"ceilings: read {c.get('read_bandwidth_GBps', 0):,.0f} GB/s (read-only stream), copy "
+            f"{c.get('copy_bandwidth_GBps', 0):,.0f} GB/s (read+write), bf16 matmul "
             f"{c.get('matmul_TFLOPs', 0):,.1f} TFLOP/s; matmul-only prefill "
             f"{res.get('matmul_only_prefill_tok_s', 0):,.0f} tok/s\n")
     widths = [max(len(str(r[i])) for r in rows) for i in range(5)]

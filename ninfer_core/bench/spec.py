@@ -34,7 +34,8 @@ def _ints(s: str) -> list[int]:
 def add_spec_bench_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--spec", default=None, metavar="NAME",
-                   help="also measure speculative rounds: 'oracle' (the recorded greedy continuation, corrupted), "
+                   help="also measure speculative rounds (several comma-separated: side by side): 'oracle' (the "
+                        "recorded greedy continuation, corrupted), "
                         "or a backend (mtp) together with the oracle")
     g.add_argument("--spec-k", type=_ints, default=[3, 7], help="drafts per round to measure (comma-separated)")
     g.add_argument("--spec-batches", type=_ints, default=[1, 8], help="batch widths for the speculative rows")
@@ -304,15 +305,16 @@ def run_spec_bench(torch, runner, family, art, a, device, res: dict) -> None:
         prompts = [_prompt(torch, a.decode_prompt, vocab, a.seed + 700 + i) for i in range(max(a.spec_batches))]
         spec["prompts"], ignore_eos = "random", True
     spec["engine"] = engine_runs(torch, runner, tok, a, device, prompts, ignore_eos)
-    if a.spec not in (None, "oracle"):  # the backend's own drafts, after the head-less plain baseline
-        from ninfer_core.plugins import PluginHost, PluginSelection
+    # each backend's own drafts (--spec mtp,dflash,dflash2: side by side), after the plain baseline
+    from ninfer_core.plugins import PluginHost, PluginSelection
 
+    for name in [n for n in (a.spec or "").split(",") if n and n != "oracle"]:
         host = PluginHost(PluginSelection.from_sources(a.plugin))
-        cls = host.resolve_spec_backend(a.spec).load()
+        cls = host.resolve_spec_backend(name).load()
         runner.free_cache()
         backend = cls.load(runner, art, argparse.Namespace(draft_tokens=max(a.spec_k)))
         runner.allocate_cache(max(64, max(a.spec_batches) * 64), max(8, max(a.spec_batches)))
-        spec["draft_ms"] = draft_costs(torch, backend, runner, a, vocab)
+        spec.setdefault("draft_ms", {})[name] = draft_costs(torch, backend, runner, a, vocab)
         got = engine_runs(torch, runner, tok, a, device, prompts, ignore_eos, backend, spec["engine"]["base"])
         spec["engine"]["rows"] += got["rows"]
     spec["engine"].pop("base", None)
@@ -330,8 +332,9 @@ def render_spec(res: dict) -> str:
         parts = [f"K={r['k']} {r['mode']} {r['round_ms']:.2f} ms ({r['vs_decode']:.2f}x, commit {r['commit_ms']:.2f})"
                  for r in rc.get("rows", []) if r["batch"] == b]
         lines.append(f"  b={b}: decode step {ms:.2f} ms; verify round " + "; ".join(parts))
-    for k, ms in (s.get("draft_ms") or {}).items():
-        lines.append(f"  drafting {k}: {ms:.2f} ms per round")
+    for name, per in (s.get("draft_ms") or {}).items():
+        for k, ms in per.items():
+            lines.append(f"  drafting {name} {k}: {ms:.2f} ms per round")
     lines.append(f"  {'drafter':<8} {'b':>2} {'K':>2} {'tok/s':>10} {'vs plain':>8} {'accept':>6} {'tok/rnd':>7} "
                  f"{'same':>5} {'same rec':>8}  accepted per position")
     for r in s.get("engine", {}).get("rows", []):

@@ -477,11 +477,12 @@ class Engine:
         pages = seq.pages[: pages_for(start + len(chunk), self.page_size)]
         last = start + len(chunk) == seq.prompt_len
         segment = LaneSegment(seq.slot, {g: pages for g in self.cache_spec.group_names}, start, chunk, PREFILL,
-                              "last" if last else "none",
+                              "last" if last else "none", self.rounds.target_layers,
                               snapshot=None if snap is None else (snap[0] - start, snap[1]))
         t0 = time.monotonic()
         try:
-            logits = self.runner.forward(ForwardBatch([segment]))[0].logits
+            out = self.runner.forward(ForwardBatch([segment]))[0]
+            logits = out.logits
             self._launches += 1
             self._flush()
             if last and seq.request.score_token_ids:
@@ -501,6 +502,7 @@ class Engine:
                     self.cache.release_capture_slot(snap[1])
             self._fail(seq, exc)
             return
+        self.rounds.observed(seq, start, out.hidden)
         seq.num_cached += len(chunk)
         with self._cv:
             self.counters["computed_prefill_tokens"] += len(chunk)

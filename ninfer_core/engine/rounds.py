@@ -37,6 +37,8 @@ class RoundDriver:
         self.archive = (NgramArchive(self.ngram.archive_bytes, self.ngram.session_bytes, self.ngram.min_match)
                         if self.ngram.archive_bytes > 0 and self.ngram.draft_tokens > 0 else None)
         self.groups = engine.cache_spec.group_names
+        # hidden layers every target forward returns for the backend (DFlash's context features)
+        self.target_layers = tuple(getattr(backend, "target_layers", ()) or ()) if backend is not None else ()
         self.max_drafts = max(self.ngram.draft_tokens, self.ngram.lookup_drafts if self.ngram.lookup else 0,
                               backend.draft_tokens if backend is not None else 0)
 
@@ -72,7 +74,7 @@ class RoundDriver:
             verify = any(drafts)
             segs = [LaneSegment(s.slot, self._tables(s, s.num_cached + 1 + len(d)), s.num_cached,
                                 [s.last_token, *d], VERIFY if verify else DECODE,
-                                LOGITS_ALL if verify else "last")
+                                LOGITS_ALL if verify else "last", self.target_layers)
                     for s, d in zip(batch, drafts)]
             outs = eng.runner.forward(ForwardBatch(segs))
             eng._launches += 1
@@ -103,6 +105,9 @@ class RoundDriver:
         committed = 0
         seconds = time.monotonic() - t0
         report = RoundReport(width=1 + max(drafted, default=0), batch=len(batch), seconds=seconds)
+        if self.target_layers:
+            for s, o, (kept, _, _) in zip(batch, outs, results):
+                self.observed(s, s.num_cached, o.hidden, max(1, kept))
         for s, d, src, (tokens, records, n_acc), (kept, text, fin) in zip(batch, drafted, sources, plans, results):
             s.num_cached += kept
             committed += kept
@@ -123,6 +128,18 @@ class RoundDriver:
             self.backend.observe_round(report)
         if not eng._flush_after_launch:
             eng._flush()
+
+    def observed(self, s: "Sequence", start: int, hidden: dict, rows: int | None = None) -> None:
+        """Hand the backend the target layer outputs of a lane's committed positions start.. (the
+        first `rows` rows of a forward's segment; all of them by default)."""
+        if not self.target_layers or not hidden:
+            return
+        got = {layer: (h if rows is None else h[:rows]) for layer, h in hidden.items() if layer in self.target_layers}
+        try:
+            self.backend.observe_target(s.request_id, start, got)
+        except Exception:  # a drafter's bookkeeping never fails a request: it only drafts worse
+            log.exception("speculative backend %s failed to record the target's hidden states",
+                          self.backend.name)
 
     def _masks(self, batch, outs, drafts) -> dict:
         """Structured output: each constrained lane's verify rows masked by its grammar in place, one

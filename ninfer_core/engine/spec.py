@@ -9,6 +9,11 @@ Each round the driver asks the backend for drafts of every decode-ready lane tha
 (`propose`), verifies all lanes' drafts in one batched forward, accepts (greedy: longest prefix equal
 to the target's picks; sampled: the coupled rejection test in `ninfer_core.engine.sampler`),
 commits the accepted prefix on the runner and reports what happened (`observe_round`).
+
+A backend that conditions on the target's hidden states (DFlash) names the layers in
+`target_layers`: every target forward of a lane then asks for those layer outputs, and the engine
+hands the backend the rows of the positions that forward committed (`observe_target`): a prefill
+chunk's every row, a round's first `kept` rows (the lane's last token and its accepted drafts).
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class SpecBackend(ABC):
 
     name: str = ""
     draft_tokens: int = 0
+    # target layer outputs (model layer indices) the backend reads from every forward of a lane
+    target_layers: tuple[int, ...] = ()
 
     @classmethod
     def check_options(cls, options: Any) -> None:
@@ -89,6 +96,11 @@ class SpecBackend(ABC):
 
     def observe_round(self, report: RoundReport) -> None:
         """Called after every round that verified drafts (costs and survival for adaptive widths)."""
+
+    def observe_target(self, request_id: str, start: int, hidden: Mapping[int, Any]) -> None:
+        """The target's outputs of `target_layers` ({layer: [n, hidden]}) at the committed positions
+        start .. start+n-1 of one lane (called only when `target_layers` is not empty). Positions a
+        lane reused from the context cache never ran in its forwards: their rows are never seen."""
 
     def lane_finished(self, request_id: str) -> None:
         """A request ended: drop what the backend keeps for it."""

@@ -22,6 +22,12 @@ from ninfer_gemma4.gpu.attention import block_rows, kernel_meta, paged_attention
 from ninfer_gemma4.layers import RMSNorm, apply_rotary
 
 
+def _use_kernels(x: torch.Tensor) -> bool:
+    from ninfer_gemma4 import layers
+
+    return layers._use_kernels(x)  # one switch for every fused small kernel (tests turn it off)
+
+
 @dataclass
 class Segment:
     """One lane's run of new tokens inside the flattened batch."""
@@ -105,6 +111,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         n = x.shape[0]
         cos, sin = ctx.rope[self.layer_type]
+        if _use_kernels(x):  # norms, RoPE and the cache writes fused (gpu/fused.py); below is their reference
+            return self._forward_fused(x, ctx, cos, sin)
         q = apply_rotary(self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)), cos, sin)
         k_cache, v_cache = ctx.kv[self.source]
         if self.owns_kv:
@@ -115,6 +123,24 @@ class Attention(nn.Module):
             page, row = ctx.write_rows[ctx.group_of[self.layer_idx]]
             k_cache[page, row] = k.to(k_cache.dtype)
             v_cache[page, row] = v.to(v_cache.dtype)
+        return self._attend(q, k_cache, v_cache, x, ctx)
+
+    def _forward_fused(self, x: torch.Tensor, ctx: Context, cos, sin) -> torch.Tensor:
+        from ninfer_gemma4.gpu.fused import norm_rope
+
+        n, eps = x.shape[0], self.q_norm.eps
+        q = norm_rope(self.q_proj(x).view(n, self.heads, self.head_dim), self.q_norm.weight, eps, cos, sin)
+        k_cache, v_cache = ctx.kv[self.source]
+        if self.owns_kv:
+            raw = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+            v = raw if self.v_proj is None else self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            page, row = ctx.write_rows[ctx.group_of[self.layer_idx]]
+            norm_rope(raw, self.k_norm.weight, eps, cos, sin, out=k_cache, page=page, row=row)
+            norm_rope(v, None, eps, out=v_cache, page=page, row=row)
+        return self._attend(q, k_cache, v_cache, x, ctx)
+
+    def _attend(self, q, k_cache, v_cache, x, ctx: Context) -> torch.Tensor:
+        n = x.shape[0]
         group = ctx.group_of[self.source]
         if use_triton(q) and _flat(ctx.segments):  # the Triton kernel over every lane at once (GPU path)
             window = self.window or 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ninfer_gemma4 import layers
 from ninfer_gemma4.attention import Attention, Context
 from ninfer_gemma4.config import GLOBAL, SLIDING, Gemma4Config
 from ninfer_gemma4.layers import MLP, Experts, RMSNorm, Router, act, inv_freq, rope_tables
@@ -44,6 +45,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
 
     def forward(self, x: torch.Tensor, ple_row: torch.Tensor | None, ctx: Context) -> torch.Tensor:
+        if layers._use_kernels(x):  # the residual adds fused with their norms (gpu/fused.py)
+            return self._forward_fused(x, ple_row, ctx)
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
         residual = x
         y = self.mlp(self.pre_feedforward_layernorm(x))
@@ -56,6 +59,27 @@ class DecoderLayer(nn.Module):
             g = act(self.activation, self.per_layer_input_gate(x)) * ple_row
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return x * self.layer_scalar
+
+
+    def _forward_fused(self, x: torch.Tensor, ple_row: torch.Tensor | None, ctx: Context) -> torch.Tensor:
+        """`forward` with (base + norm(y) * w) [* layer scalar] in one launch each; the same math."""
+        from ninfer_gemma4.gpu.fused import add_rms_norm
+
+        def post(base, y, norm, scale=None):
+            return add_rms_norm(base, y, norm.weight, norm.eps, scale)
+
+        x = post(x, self.self_attn(self.input_layernorm(x), ctx), self.post_attention_layernorm)
+        residual = x
+        y = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            weights, index = self.router(residual)
+            routed = self.experts(self.pre_feedforward_layernorm_2(residual), weights, index)
+            y = post(self.post_feedforward_layernorm_2(routed), y, self.post_feedforward_layernorm_1)
+        if not self.ple:
+            return post(residual, y, self.post_feedforward_layernorm, self.layer_scalar)
+        x = post(residual, y, self.post_feedforward_layernorm)
+        g = act(self.activation, self.per_layer_input_gate(x)) * ple_row
+        return post(x, self.per_layer_projection(g), self.post_per_layer_input_norm, self.layer_scalar)
 
 
 class Gemma4TextModel(nn.Module):

@@ -168,9 +168,108 @@ def check_norm(dtype=torch.float32, device="cpu", tol=1e-5):
     print(f"gemma4 rms norm: worst max relative error {worst:.2e} ({dtype})")
 
 
+def check_fused(dtype=torch.float32, device="cpu", tol=1e-5):
+    """The fused norm+RoPE (returned, and scattered into a paged cache at write rows) and the fused
+    residual add against their torch forms: scaled and unscaled norms, head widths of both layer
+    types' shapes cut small, a strided view of a projection output as input."""
+    from ninfer_gemma4.gpu.fused import add_rms_norm, norm_rope, ref_add_rms_norm, ref_norm_rope
+    from ninfer_gemma4.layers import rope_tables
+
+    gen = torch.Generator().manual_seed(9)
+    worst = 0.0
+
+    def rel(a, b):
+        return float((a.float().cpu() - b.float().cpu()).abs().max() / b.float().cpu().abs().max())
+
+    for n, h, d in ((5, 3, 32), (1, 2, 64), (4, 1, 48)):
+        proj = (2 * torch.randn(n, h * d + 16, generator=gen)).to(device, dtype)
+        x = proj[:, 8: 8 + h * d].view(n, h, d)  # a strided view, as q_proj(x).view(...) of a wider output
+        w = (1 + 0.2 * torch.randn(d, generator=gen)).to(device, dtype)
+        freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        freq[d // 4:] = 0  # the proportional kind: part of the pairs unrotated
+        cos, sin = rope_tables(freq.to(device), torch.arange(7, 7 + n, device=device), dtype)
+        for weight, rope in ((w, True), (None, False), (w, False)):
+            c, s_ = (cos, sin) if rope else (None, None)
+            err = rel(norm_rope(x, weight, 1e-6, c, s_), ref_norm_rope(x, weight, 1e-6, c, s_))
+            worst = max(worst, err)
+            assert err <= tol, f"norm_rope {n, h, d} weight={weight is not None} rope={rope}: {err:.2e}"
+            cache = torch.full((4, 8, h, d), float("nan"), dtype=dtype, device=device)
+            want = cache.clone()
+            page = torch.tensor([3, 0, 2, 1, 3][:n], device=device)
+            row = torch.tensor([7, 0, 5, 2, 1][:n], device=device)
+            norm_rope(x, weight, 1e-6, c, s_, out=cache, page=page, row=row)
+            want[page, row] = ref_norm_rope(x, weight, 1e-6, c, s_).to(dtype)
+            hit = ~torch.isnan(want)
+            assert torch.equal(torch.isnan(cache), torch.isnan(want)), "norm_rope wrote outside its rows"
+            err = rel(cache[hit], want[hit])
+            worst = max(worst, err)
+            assert err <= tol, f"norm_rope scatter {n, h, d}: {err:.2e}"
+    for rows, d in ((3, 96), (1, 5376 // 8)):
+        base = torch.randn(rows, d, generator=gen).to(device, dtype)
+        y = (3 * torch.randn(rows, d, generator=gen)).to(device, dtype)
+        w = (1 + 0.2 * torch.randn(d, generator=gen)).to(device, dtype)
+        scale = torch.tensor([0.7], dtype=dtype, device=device)
+        for sc in (None, scale):
+            err = rel(add_rms_norm(base, y, w, 1e-6, sc), ref_add_rms_norm(base, y, w, 1e-6, sc))
+            worst = max(worst, err)
+            assert err <= tol, f"add_rms_norm {rows, d} scale={sc is not None}: {err:.2e}"
+    print(f"gemma4 fused norm/rope/residual kernels: worst max relative error {worst:.2e} ({dtype})")
+
+
+def fused_runner_interpret():
+    """The runner with the fused small kernels (norm+RoPE+cache write, residual adds, RMSNorm) on
+    against the same runner's torch forms, the paged attention on its torch path in both (its
+    kernel has its own checks): a batch of 3 prefills, one crossing the window, then decode steps;
+    both test shapes (PLE and shared KV in e2b, the MoE block in 26b-a4b)."""
+    import tempfile
+
+    from ninfer_gemma4 import attention, layers
+    from ninfer_gemma4.family import Gemma4Family
+    from ninfer_gemma4.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment, RunnerOptions
+
+    attention.use_triton = lambda t: False
+    kernels = layers._use_kernels
+    ids = [int(x) for x in torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(4))]
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, kind in enumerate(("e2b", "26b-a4b")):
+            runner = Gemma4Family().load(Artifact.open(build_tiny_artifact(f"{tmp}/{kind}.ninfer", kind=kind,
+                                                                           seed=seed + 3, window=20)))
+            groups = runner.cache_spec().group_names
+
+            def run(use, runner=runner, groups=groups):
+                layers._use_kernels = use
+                runner.free_cache()
+                runner.configure(RunnerOptions(max_segment_tokens=32))
+                runner.allocate_cache(12, 3, page_size=16)
+                tab = {i: {g: list(range(i * 4, i * 4 + 4)) for g in groups} for i in range(3)}
+                prompts = [ids[:27], ids[3:9], ids[12:17]]
+                outs = [o.logits for o in runner.forward(ForwardBatch(
+                    [LaneSegment(i, tab[i], 0, p, logits=LOGITS_ALL) for i, p in enumerate(prompts)]))]
+                for step in range(2):
+                    outs += [o.logits for o in runner.forward(ForwardBatch(
+                        [LaneSegment(i, tab[i], len(prompts[i]) + step, [ids[30 + step]], DECODE) for i in range(3)]))]
+                return outs
+
+            try:
+                want = run(lambda t: False)
+                got = run(lambda t: True)
+            finally:
+                layers._use_kernels = kernels
+            for a, b in zip(got, want):
+                err = float((a - b).abs().max() / b.abs().max())
+                worst = max(worst, err)
+                assert err <= 1e-4, f"{kind}: runner with the fused kernels differs by {err:.2e}"
+    print(f"gemma4 runner with the fused kernels: worst max relative logits error {worst:.2e}")
+
+
 def interpreted():
     check()
     check_norm()
+    check_fused()
     check_ring()
     check_experts()
 

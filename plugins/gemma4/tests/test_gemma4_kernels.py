@@ -60,6 +60,7 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
     out = interpreted("interpreted")
     assert "gemma4 paged attention: worst" in out and "gemma4 ring attention: worst" in out
     assert "gemma4 expert GEMV" in out and "gemma4 rms norm: worst" in out
+    assert "gemma4 fused norm/rope/residual kernels: worst" in out
 
 
 def test_runner_with_the_interpreted_kernel_matches_its_torch_path():
@@ -68,3 +69,7 @@ def test_runner_with_the_interpreted_kernel_matches_its_torch_path():
 
 def test_graph_decode_body_matches_the_eager_decode_under_the_interpreter():
     assert "graph decode body under the interpreter: worst" in interpreted("graph_body_interpret")
+
+
+def test_runner_with_the_fused_kernels_matches_its_torch_forms_under_the_interpreter():
+    assert "runner with the fused kernels: worst" in interpreted("fused_runner_interpret")

@@ -32,11 +32,19 @@ def test_bench_smoke_run_writes_table_and_json(tiny, tmp_path):
     assert "ninfer bench  shape=" in r.stdout and "prefill 64 tok/s" in r.stdout
     res = json.loads(out.read_text())
     assert res["ceilings"]["copy_bandwidth_GBps"] > 0 and res["ceilings"]["matmul_TFLOPs"] > 0
+    assert res["ceilings"]["read_bandwidth_GBps"] > 0 and "ceilings: read " in r.stdout
     assert set(res["prefill"]) == {"64"} and res["prefill"]["64"]["tok_s"] > 0
     assert set(res["decode"]) == {"1", "2"}
     d2 = res["decode"]["2"]
     assert d2["total_tok_s"] == pytest.approx(2 * d2["per_seq_tok_s"])
     assert 0 < d2["vs_floor"] and d2["floor_total_tok_s"] > 0
+    # two floors of the same step bytes: their ratio is the ratio of the two bandwidths
+    ratio = res["ceilings"]["read_bandwidth_GBps"] / res["ceilings"]["copy_bandwidth_GBps"]
+    assert d2["floor_total_tok_s"] / d2["copy_floor_total_tok_s"] == pytest.approx(ratio)
+    assert f"of copy floor {d2['copy_floor_total_tok_s']:,.0f}" in r.stdout
+    rates = res["linear_rates"]  # --profile: every weight shape's linear, timed at b=1 and 8
+    assert rates and all(x["b1_GBps"] > 0 and x["b8_GBps"] > 0 and x["b1_vs_read"] > 0 for x in rates)
+    assert "decode GEMVs" in r.stdout
     assert res["decode_long"]["total_tok_s"] > 0
     assert "prefill" in res["transformers"] and "32" in res["transformers"]["prefill"], res["transformers"]
     http = res["http"]

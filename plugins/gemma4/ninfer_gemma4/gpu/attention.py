@@ -20,20 +20,14 @@ Kernels run when triton is importable and q is on CUDA, or on the CPU under TRIT
 
 from __future__ import annotations
 
-
 import torch
 
-try:  # triton is optional: the CPU reference path never needs it
+from ninfer_core.accel import HAVE_TRITON
+from ninfer_core.accel import use_triton as use_triton  # re-exported: one rule for every family
+
+if HAVE_TRITON:  # triton is optional: the CPU reference path never needs it
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
-    triton = tl = None
-    HAVE_TRITON = False
-
-
-from ninfer_core.accel import use_triton  # noqa: E402,F401  (one rule for every family)
 
 
 def ref_paged_attention(q, k_cache, v_cache, tables, starts, qlens, window: int, scale: float, wrap: int = 0):

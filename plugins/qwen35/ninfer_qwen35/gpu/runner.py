@@ -103,6 +103,9 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         self._gdn_graphs = GdnPrefillGraphs()  # prefill chunks of <= 1024 tokens (fla_glue)
         self._init_verify()
         self._verifying = False  # inside a verify body (the MoE path choice)
+        # layer outputs a forward asks for (LaneSegment.hidden, e.g. a DFlash drafter's context):
+        # `_stack` stores them here, and such a forward runs without CUDA Graphs
+        self._taps: dict | None = None
         self.info.extra["gpu_path"] = True
 
     @classmethod
@@ -143,7 +146,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
 
     @property
     def graphs_enabled(self) -> bool:
-        return self.cuda_graph and self.device.type == "cuda"
+        return self.cuda_graph and self.device.type == "cuda" and self._taps is None
 
     # ---- cache: one scratch page and one scratch slot past the engine's pool ------------------
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
@@ -230,6 +233,9 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
         self._check(batch)
         segs = batch.segments
+        layers = {h for s in segs for h in s.hidden if h != FINAL_HIDDEN}
+        if layers and all(s.side is None and s.snapshot is None for s in segs) and PREFILL not in {s.kind for s in segs}:
+            return self._forward_tapped(batch, layers)
         plain = all(s.side is None and set(s.hidden) <= {FINAL_HIDDEN} for s in segs)
         kinds = {s.kind for s in segs}
         if plain and kinds == {DECODE}:
@@ -241,6 +247,23 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         if VERIFY in kinds:
             raise NotImplementedError("a verify batch with side inputs, hidden layers or prefill segments")
         return super().forward(batch)  # side inputs / layer outputs: the reference path (same caches)
+
+    def _forward_tapped(self, batch: ForwardBatch, layers: set) -> list[SegmentOutput]:
+        """Decode / verify segments that also return layer outputs: the eager kernels with `_stack`
+        keeping each asked layer's residual stream ([rows, H], the rows in the body's order)."""
+        segs = batch.segments
+        self._taps = {i: None for i in layers}
+        try:
+            outs = (self._decode_segments(segs) if {s.kind for s in segs} == {DECODE}
+                    else self._verify_segments(segs))
+            taps = self._taps
+        finally:
+            self._taps = None
+        t = 1 if {s.kind for s in segs} == {DECODE} else max(len(s.tokens) for s in segs)
+        for i, (s, o) in enumerate(zip(segs, outs)):
+            rows = slice(i * t, i * t + len(s.tokens))
+            o.hidden.update({h: taps[h][rows].clone() for h in s.hidden if h != FINAL_HIDDEN})
+        return outs
 
     def _prefill_segment(self, s: LaneSegment) -> SegmentOutput:
         seg = Segment(slot=s.slot, pages=list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values()))),
@@ -388,6 +411,8 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             x, h = K.add_rmsnorm(x, mixer(i, layer, h), post.weight, post.eps)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
             x, h = K.add_rmsnorm(x, self._mlp(i, layer.mlp, h), nxt.weight, nxt.eps)
+            if self._taps is not None and i in self._taps:
+                self._taps[i] = x  # the layer's output (a new tensor each add: no copy needed)
         return h
 
     def _gdn_decode(self, i, mod, h, slots):

@@ -1,0 +1,1 @@
+"""ninfer-spec-dflash: the `--spec dflash` and `--spec dflash2` speculative backends (block-diffusion drafters)."""

@@ -1,0 +1,171 @@
+"""Greedy output with `--spec dflash` / `--spec dflash2` (K = 7 and 15) equals the output without,
+through the engine on a random-weight Qwen3.5 artifact with random drafters converted from
+checkpoints in the published layout: single lanes, mixed batches ending inside rounds, prefix reuse
+(the reused positions' context is absent), sampled requests token for token. The drafter's context
+follows the target: what the backend keeps equals the drafter over the target's own hidden states."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("ninfer_qwen35")
+
+import torch
+from ninfer_qwen35.family import Qwen35Family
+from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+from ninfer_qwen35.testing import build_tiny_artifact
+from ninfer_spec_dflash.backend import DFlash2Backend, DFlashBackend
+from ninfer_spec_dflash.testing import random_drafter_checkpoint
+
+from ninfer_core.artifact import Artifact
+from ninfer_core.cli import main as cli
+from ninfer_core.config import EngineOptions
+from ninfer_core.engine.api import GenerationRequest, SamplingParams
+from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment
+from ninfer_core.testing import collect, run_async
+
+GREEDY = SamplingParams(temperature=0.0)
+BACKENDS = {"dflash": DFlashBackend, "dflash2": DFlash2Backend}
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dfl")
+    base = build_tiny_artifact(d / "t.ninfer", seed=31)
+    for kind in BACKENDS:
+        random_drafter_checkpoint(d / kind, kind, 64, 512, [1, 3], seed=4)
+    assert cli(["convert", str(base), str(d / "t2.ninfer"), "--dflash", str(d / "dflash"),
+                "--dflash2", str(d / "dflash2"), "--no-progress"]) == 0
+    return Artifact.open(d / "t2.ninfer")
+
+
+class _Tok:
+    """A byte tokenizer: the random model's ids above 255 decode to nothing."""
+
+    eos_token_ids = ()
+    vocab_size = 512
+
+    def token_bytes(self, t):
+        return bytes([t]) if t < 256 else b""
+
+    def is_special(self, t):
+        return t >= 256
+
+    def decode(self, ids, skip_special=True):
+        return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", "replace")
+
+
+def prompts(n=3):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 500, (70,), generator=g).tolist()
+    return [base[: 8 + 25 * i] for i in range(n)]  # the third crosses the 32-token prefill chunk twice
+
+
+def serve(art, reqs, spec=None, k=7, concurrent=False, gpu=False, **opts):
+    r = Qwen35Family().load(art)
+    if gpu:  # the GPU runner's path (its CPU fallbacks): layer outputs from its fused decode/verify bodies
+        r = GpuQwen35Runner.from_runner(r)
+    backend = BACKENDS[spec].load(r, art, argparse.Namespace(draft_tokens=k)) if spec else None
+
+    async def go():
+        eng = Engine(r, _Tok(), EngineOptions(**{"max_context": 512, "prefill_chunk": 32, **opts}), spec=backend)
+        eng.start()
+        try:
+            if concurrent:
+                hs = [eng.submit(q) for q in reqs]
+                outs = [await collect(h) for h in hs]
+            else:
+                outs = [await collect(eng.submit(q)) for q in reqs]
+            return outs, eng.snapshot()
+        finally:
+            eng.shutdown(timeout=60)
+
+    return run_async(go(), timeout=600)
+
+
+def reqs(n=24, **kw):
+    return [GenerationRequest(prompt_ids=p, sampling=GREEDY, max_tokens=n, **kw) for p in prompts()]
+
+
+@pytest.fixture(scope="module")
+def plain(art):
+    return [o.token_ids for o in serve(art, reqs())[0]]
+
+
+@pytest.mark.parametrize("k", [7, 15])
+@pytest.mark.parametrize("spec", ["dflash", "dflash2"])
+def test_greedy_output_equals_plain(art, plain, spec, k):
+    got, snap = serve(art, reqs(), spec=spec, k=k)
+    assert [o.token_ids for o in got] == plain
+    assert snap["counters"]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize("spec", ["dflash", "dflash2"])
+def test_mixed_batch_ending_inside_rounds(art, spec, gpu):
+    lens = [5, 13, 22]
+    rs = [GenerationRequest(prompt_ids=p, sampling=GREEDY, max_tokens=n) for p, n in zip(prompts(), lens)]
+    base, _ = serve(art, rs, max_concurrency=3, concurrent=True, gpu=gpu)
+    got, _ = serve(art, rs, spec=spec, k=7, max_concurrency=3, concurrent=True, gpu=gpu)
+    assert [o.token_ids for o in got] == [o.token_ids for o in base]
+    assert [len(o.token_ids) for o in got][:2] == lens[:2]  # (the third meets the model's EOS id first)
+
+
+def test_sampled_requests_are_token_for_token_the_same(art):
+    s = SamplingParams(temperature=0.8, top_p=0.9, seed=77)
+    rs = [GenerationRequest(prompt_ids=p, sampling=s, max_tokens=20) for p in prompts()]
+    base, _ = serve(art, rs)
+    for spec in BACKENDS:
+        got, _ = serve(art, rs, spec=spec, k=7)
+        assert [o.token_ids for o in got] == [o.token_ids for o in base]
+
+
+def test_context_equals_the_drafter_over_the_targets_hidden_states(art):
+    """After a prefill and rounds, the backend's context rows for each position are the drafter's
+    K/V of the target's layer outputs at that position, computed here by one reference prefill."""
+    r = Qwen35Family().load(art)
+    backend = DFlashBackend.load(r, art, argparse.Namespace(draft_tokens=7))
+    captured = {}
+    orig = backend.lane_finished
+    backend.lane_finished = lambda rid: captured.setdefault(rid, backend.lanes.get(rid)) and orig(rid)
+
+    async def go():
+        eng = Engine(r, _Tok(), EngineOptions(max_context=512, prefill_chunk=32), spec=backend)
+        eng.start()
+        try:
+            return await collect(eng.submit(GenerationRequest(prompt_ids=prompts()[2], sampling=GREEDY,
+                                                              max_tokens=20)))
+        finally:
+            eng.shutdown(timeout=60)
+
+    out = run_async(go(), timeout=600)
+    (ctx,) = [c for c in captured.values() if c is not None]
+    seq = list(prompts()[2]) + list(out.token_ids)
+    ref = Qwen35Family().load(art)
+    ref.allocate_cache(8, 1)
+    n = ctx.n
+    assert len(prompts()[2]) < n < len(seq)  # the prompt and the rounds' committed rows
+    hid = ref.forward(ForwardBatch([LaneSegment(0, {g: list(range(8)) for g in ref.cache_spec().group_names}, 0,
+                                                seq[:n], PREFILL, "none", backend.target_layers)]))[0].hidden
+    feats = torch.cat([hid[i] for i in backend.cfg.target_layer_ids], -1)
+    kv = backend.drafter.context_kv(backend.drafter.context(feats), torch.arange(n))
+    assert bool(ctx.valid[:n].all())
+    for i, (k, v) in enumerate(kv):
+        torch.testing.assert_close(ctx.k[i][:n], k, atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(ctx.v[i][:n], v, atol=2e-4, rtol=1e-3)
+
+
+def test_prefix_reuse_keeps_greedy_output(art):
+    """A second turn reuses the first's prefix from the context cache (its positions never run in
+    the second request's forwards, so their context rows are absent): output is still plain's."""
+    first = prompts()[2]
+    one = GenerationRequest(prompt_ids=first, sampling=GREEDY, max_tokens=12)
+    follow = first + list(serve(art, [one])[0][0].token_ids) + [7, 8, 9, 10]
+    rs = [one, GenerationRequest(prompt_ids=follow, sampling=GREEDY, max_tokens=12)]
+    base, _ = serve(art, rs, prefix_reuse=True)
+    got, snap = serve(art, rs, spec="dflash2", k=7, prefix_reuse=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in base]
+    assert snap["counters"]["prefix_cache_hit_tokens"] > 0

@@ -1,0 +1,345 @@
+"""Train ninfer-tiny's DFlash and DFlash2 drafters against the trained target.
+
+    python -m ninfer_tiny.train_dflash --out runs/dflash                    # the CPU recipe (minutes)
+    python -m ninfer_tiny.train_dflash --recipe h200 --out runs/dflash-h200  # scripts/dflash/train_tiny_h200.sh
+    ... --install    # also write both drafters into the packaged artifact (its dflash and dflash2 components)
+
+The target is the packaged ninfer-tiny artifact run through ninfer's own forward (the reference
+path; CUDA when present), so the features a drafter learns from are the ones serving hands it.
+Data: conversations of the tiny plugin's stream (seed 1, the training side of the split) cut into
+rows of `seq_len` tokens; per row the target's outputs of the drafter's target layers and its
+greedy pick at every position (the labels: a draft is accepted when it equals the target's pick).
+
+A step samples `anchors` block starts per row: a block is [token at a, mask x (block-1)] at
+positions a .., attending to the context rows < a and to its own rows (one pass for all blocks of
+a row through an explicit key mask); the loss is cross-entropy of block row k against the target's
+pick at a + k, weighted exp(-(k-1)/gamma) (later rows matter less: they count only after every
+earlier draft was accepted). DFlash2 adds the candidate selector's loss: cross-entropy over each
+row's top-k candidates, walked from the true predecessor, where the label is among them.
+
+Deterministic given --seed on the CPU. The drafters are written as published checkpoints
+(config.json + model.safetensors in the z-lab layout) and added with `ninfer convert --dflash`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DraftRecipe:
+    rows: int
+    seq_len: int
+    steps: int
+    batch: int
+    anchors: int
+    block: int
+    lr: float
+    warmup: int
+    layers: int
+    intermediate: int
+    selector_rank: int
+    selector_top_k: int
+    target_layers: tuple[int, ...] = (3, 7)
+    gamma: float = 7.0
+    selector_weight: float = 0.5
+
+
+RECIPES = {
+    "cpu": DraftRecipe(rows=192, seq_len=256, steps=400, batch=8, anchors=12, block=16, lr=3e-3, warmup=30,
+                       layers=1, intermediate=256, selector_rank=16, selector_top_k=8),
+    "h200": DraftRecipe(rows=8192, seq_len=512, steps=6000, batch=32, anchors=24, block=16, lr=2e-3, warmup=200,
+                        layers=1, intermediate=256, selector_rank=16, selector_top_k=8),
+    "micro": DraftRecipe(rows=8, seq_len=64, steps=4, batch=2, anchors=3, block=8, lr=3e-3, warmup=1,
+                         layers=1, intermediate=64, selector_rank=4, selector_top_k=4),
+}  # fmt: skip
+CONV_GROUP = 16
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def load_target(artifact: str, device: str):
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.plugins import PluginHost, PluginSelection
+
+    art = Artifact.open(artifact)
+    fam = PluginHost(PluginSelection.from_sources([])).family_for_architecture(art.architecture).load()()
+    runner = fam.load(art, device=device, dtype="float32")
+    return art, runner
+
+
+def target_rows(runner, tokenizer, recipe: DraftRecipe, seed: int):
+    """Token rows [R, T], the target's layer features [R, T, L*H] and greedy picks [R, T]."""
+    import torch
+
+    from ninfer_core.engine.model_api import LOGITS_ALL, PREFILL, ForwardBatch, LaneSegment
+    from ninfer_tiny.data import make_sample, render_ids
+
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    stream: list[int] = []
+    i = 0
+    while len(stream) < recipe.rows * recipe.seq_len + 1:
+        stream += render_ids(make_sample(seed, i), tokenizer) + [eot]
+        i += 1
+    ids = torch.tensor(stream[: recipe.rows * recipe.seq_len], dtype=torch.int64).view(recipe.rows, recipe.seq_len)
+    pages = -(-recipe.seq_len // 64)
+    runner.allocate_cache(pages, 1)
+    groups = runner.cache_spec().group_names
+    feats, picks = [], []
+    for r in range(recipe.rows):
+        runner.reset_slot(0)
+        seg = LaneSegment(0, {g: list(range(pages)) for g in groups}, 0, ids[r].tolist(), PREFILL, LOGITS_ALL,
+                          tuple(recipe.target_layers))
+        out = runner.forward(ForwardBatch([seg]))[0]
+        feats.append(torch.cat([out.hidden[i] for i in recipe.target_layers], -1).to("cpu", torch.bfloat16))
+        picks.append(out.logits.argmax(-1).cpu())  # the target's pick for position p + 1
+        if (r + 1) % max(1, recipe.rows // 8) == 0:
+            log(f"[dflash] target features {r + 1}/{recipe.rows} rows")
+    return ids, torch.stack(feats), torch.stack(picks), i
+
+
+def drafter_config(kind: str, recipe: DraftRecipe, target_cfg: dict, vocab: int, mask_id: int) -> dict:
+    from ninfer_spec_dflash.testing import drafter_hf_config
+
+    text = target_cfg.get("text_config", target_cfg)
+    return drafter_hf_config(kind, text["hidden_size"], vocab, recipe.target_layers, layers=recipe.layers,
+                             heads=4, kv_heads=2, head_dim=64, intermediate=recipe.intermediate,
+                             block_size=recipe.block, mask_token_id=mask_id,
+                             num_target_layers=text["num_hidden_layers"], selector_rank=recipe.selector_rank,
+                             selector_top_k=recipe.selector_top_k, conv_group_size=CONV_GROUP)
+
+
+def block_batch(ids, picks, recipe: DraftRecipe, g, device):
+    """Anchors and the key mask of one batch: (rows idx [B], anchors [B, A], mask [B, A*S, T + A*S])."""
+    import torch
+
+    b, a, s, t = recipe.batch, recipe.anchors, recipe.block, recipe.seq_len
+    rows = torch.randint(0, ids.shape[0], (b,), generator=g)
+    anchors = torch.stack([torch.randperm(t - s - 1, generator=g)[:a] + 1 for _ in range(b)])  # [B, A]
+    q_anchor = anchors.repeat_interleave(s, 1)  # [B, A*S]
+    ctx = torch.arange(t)[None, None, :] < q_anchor[:, :, None]  # context rows before the anchor
+    blk = torch.arange(a).repeat_interleave(s)
+    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
+    return rows, anchors, torch.cat([ctx, own], -1).to(device)
+
+
+def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, seed: int, device):
+    """Train one drafter; returns its state dict (checkpoint names) and the loss history."""
+    import torch
+    import torch.nn.functional as F
+    from ninfer_spec_dflash.config import DrafterConfig
+    from ninfer_spec_dflash.model import Drafter
+
+    ids, feats, picks = data
+    cfg = DrafterConfig.from_hf(cfg_json, kind)
+    vocab = runner.info.vocab_size
+    torch.manual_seed(seed)
+    model = Drafter(cfg, vocab).to(device)
+    with torch.no_grad():  # Qwen3-style init: norms at 1, linears small, codebooks small
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif "base_kernel" in n or "kernel_projection" in n:
+                p.zero_()
+            elif "codebook" in n:
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.02)
+    for p in getattr(runner, "model", torch.nn.Module()).parameters():
+        p.requires_grad_(False)  # the target (its embeddings and LM head) stays frozen
+    head = runner.logits  # the target's LM head over final-normed rows
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    s, a = recipe.block, recipe.anchors
+    weights = torch.exp(-torch.arange(s - 1, dtype=torch.float32) / recipe.gamma).to(device)
+    history = []
+    t0 = time.monotonic()
+    for step in range(recipe.steps):
+        lr = recipe.lr * min(1.0, (step + 1) / recipe.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
+            math.pi * step / recipe.steps)))
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        rows, anchors, mask = block_batch(ids, picks, recipe, g, device)
+        b = rows.shape[0]
+        x_ids = torch.full((b, a, s), cfg.mask_token_id, dtype=torch.int64)
+        x_ids[:, :, 0] = ids[rows].gather(1, anchors)
+        pos = (anchors[:, :, None] + torch.arange(s)).view(b, -1).to(device)
+        # labels: the target's pick at a + k (picks[p] is the pick for position p + 1)
+        lab_pos = anchors[:, :, None] + torch.arange(s)[None, None, :-1]  # [B, A, S-1] = a + k - 1
+        labels = picks[rows][torch.arange(b)[:, None, None], lab_pos].to(device)
+        ctx = model.context(feats[rows].to(device, torch.float32))  # [B, T, H]
+        ctx_kv = model.context_kv(ctx, torch.arange(recipe.seq_len, device=device).expand(b, -1))
+        with torch.no_grad():
+            x = runner.embed(x_ids.to(device).view(-1)).view(b, a * s, -1).float()
+        kpos = torch.cat([torch.arange(recipe.seq_len, device=device).expand(b, -1), pos], 1)
+        hidden = model(x, pos, ctx_kv, mask, kpos, block=s).view(b, a, s, -1)[:, :, 1:]  # [B, A, S-1, H]
+        logits = head(hidden.reshape(-1, hidden.shape[-1])).view(b, a, s - 1, -1)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        w = weights.expand(b, a, -1).reshape(-1)
+        loss = (ce * w).sum() / w.sum()
+        sel_loss = torch.zeros((), device=device)
+        if kind == "dflash2":
+            sel = model.candidate_selector
+            unary, cand = torch.topk(logits.float(), sel.top_k, dim=-1)  # [B, A, S-1, k]
+            prev = torch.cat([x_ids[:, :, :1].to(device), labels[:, :, :-1]], -1)  # true predecessors
+            scores = sel.scores(prev, sel.hidden_projection(hidden), cand, unary)
+            hit = cand == labels[..., None]
+            ok = hit.any(-1)
+            if bool(ok.any()):
+                sel_ce = F.cross_entropy(scores[ok], hit[ok].float().argmax(-1), reduction="none")
+                wk = weights.expand(b, a, -1)[ok]
+                sel_loss = (sel_ce * wk).sum() / wk.sum()
+        total = loss + recipe.selector_weight * sel_loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % max(1, recipe.steps // 20) == 0 or step == recipe.steps - 1:
+            acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
+            rec = {"step": step, "loss": loss.item(), "selector": sel_loss.item(),
+                   "first_acc": acc[0].item(), "mean_acc": acc.mean().item()}
+            history.append(rec)
+            log(f"[dflash] {kind} step {step:5d}/{recipe.steps}  loss {rec['loss']:.3f}  sel {rec['selector']:.3f}  "
+                f"acc@1 {rec['first_acc']:.3f}  acc {rec['mean_acc']:.3f}  {time.monotonic() - t0:.0f}s")
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
+
+
+def acceptance(artifact: str, kinds, k: int, prompts: int, seed: int, max_tokens: int = 96) -> dict:
+    """Accepted tokens per round (committed per round = accepted + 1) of greedy requests through the
+    engine with each backend (and MTP), on held-out prompts; outputs must equal plain decoding."""
+    import argparse as ap
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.config import EngineOptions
+    from ninfer_core.engine.api import GenerationRequest, SamplingParams
+    from ninfer_core.engine.engine import Engine
+    from ninfer_core.plugins import PluginHost, PluginSelection
+    from ninfer_core.testing import collect, run_async
+    from ninfer_core.tokenizer.bpe import Tokenizer
+    from ninfer_tiny.data import eval_prompts, project_template
+
+    art = Artifact.open(artifact)
+    host = PluginHost(PluginSelection.from_sources([]))
+    fam = host.family_for_architecture(art.architecture).load()()
+    tok = Tokenizer(art.tokenizer_section)
+    samples = eval_prompts(seed, -(-prompts // 3))[:prompts]
+    tmpl = project_template()
+    reqs = [tmpl.render_ids(tok, s.prompt_messages(), tools=s.tools, add_generation_prompt=True) for s in samples]
+
+    def run(name):
+        runner = fam.load(art)
+        backend = None
+        if name:
+            backend = host.resolve_spec_backend(name).load().load(runner, art, ap.Namespace(draft_tokens=k))
+
+        async def go():
+            eng = Engine(runner, tok, EngineOptions(max_context=2048, prefill_chunk=256, ngram_draft_tokens=0),
+                         spec=backend)
+            eng.start()
+            try:
+                outs = [await collect(eng.submit(GenerationRequest(prompt_ids=p, max_tokens=max_tokens,
+                                                                   sampling=SamplingParams(temperature=0.0))))
+                        for p in reqs]
+                return outs, eng.snapshot()["counters"]
+            finally:
+                eng.shutdown(timeout=60)
+
+        t0 = time.monotonic()
+        outs, c = run_async(go(), timeout=1800)
+        return [o.token_ids for o in outs], c, time.monotonic() - t0
+
+    plain, pc, ps = run(None)
+    out = {"plain": {"seconds": ps, "decode_tok_s": pc["committed_decode_tokens"] / max(pc["decode_seconds"], 1e-9)}}
+    for name in kinds:
+        got, c, _ = run(name)
+        rounds = max(c["draft_rounds"], 1)
+        out[name] = {"k": k, "rounds": c["draft_rounds"], "drafted": c["draft_tokens"],
+                     "accepted": c["draft_accepted_tokens"],
+                     "accepted_per_round": c["draft_accepted_tokens"] / rounds,
+                     "acceptance_length": 1 + c["draft_accepted_tokens"] / rounds,
+                     "decode_tok_s": c["committed_decode_tokens"] / max(c["decode_seconds"], 1e-9),
+                     "same_as_plain": sum(a == b for a, b in zip(got, plain)), "requests": len(plain)}
+        log(f"[dflash] {name} K={k}: {out[name]['acceptance_length']:.2f} tokens per round "
+            f"({out[name]['accepted']}/{out[name]['drafted']} drafts accepted), {out[name]['decode_tok_s']:.1f} "
+            f"tok/s vs plain {out['plain']['decode_tok_s']:.1f}, {out[name]['same_as_plain']}/{len(plain)} equal")
+    return out
+
+
+def train(out: Path, recipe: DraftRecipe, artifact: str, seed: int = 0, device: str | None = None,
+          eval_prompts: int = 12) -> dict:
+    import torch
+    from ninfer_spec_dflash.testing import write_drafter_checkpoint
+
+    from ninfer_core.cli import main as cli
+    from ninfer_core.tokenizer.bpe import Tokenizer
+
+    t0 = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    art, runner = load_target(artifact, dev)
+    tok = Tokenizer(art.tokenizer_section)
+    # the mask token: an id past the tokenizer's (padding rows of the embedding the target never saw)
+    mask_id = runner.info.vocab_size - 1
+    if mask_id < tok.vocab_size:
+        raise ValueError("the target has no unused vocabulary row for the mask token")
+    log(f"[dflash] target {artifact}: {runner.info.n_params / 1e6:.1f} M parameters, device {dev}")
+    ids, feats, picks, convs = target_rows(runner, tok, recipe, seed + 1)
+    log(f"[dflash] data: {ids.numel():,} tokens from {convs} conversations ({time.monotonic() - t0:.0f}s)")
+    summary = {"recipe": asdict(recipe), "seed": seed, "device": dev, "artifact": artifact, "kinds": {}}
+    dirs = {}
+    for kind in ("dflash", "dflash2"):
+        cfg = drafter_config(kind, recipe, art.config, runner.info.vocab_size, mask_id)
+        state, hist = train_kind(kind, recipe, runner, (ids, feats, picks), cfg, seed, dev)
+        dirs[kind] = write_drafter_checkpoint(out / kind, cfg, state, dtype=torch.bfloat16)
+        n = sum(v.numel() for v in state.values())
+        summary["kinds"][kind] = {"params": n, "history": hist, "checkpoint": dirs[kind]}
+        log(f"[dflash] {kind}: {n / 1e6:.2f} M parameters -> {dirs[kind]}")
+    merged = out / "ninfer-tiny.ninfer"
+    if cli(["convert", artifact, str(merged), "--dflash", dirs["dflash"], "--dflash2", dirs["dflash2"],
+            "--no-progress"]) != 0:
+        raise RuntimeError("ninfer convert of the drafters failed")
+    summary["merged"] = str(merged)
+    if eval_prompts:
+        summary["acceptance"] = {k: acceptance(str(merged), ["mtp", "dflash", "dflash2"], k, eval_prompts, seed)
+                                 for k in sorted({min(7, recipe.block - 1), min(15, recipe.block - 1)})}
+    summary["seconds"] = time.monotonic() - t0
+    (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    log(f"[dflash] done in {summary['seconds']:.0f}s")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ninfer_tiny.train import package_artifact_path
+
+    p = argparse.ArgumentParser(prog="python -m ninfer_tiny.train_dflash", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, merged artifact, summary)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="cpu")
+    p.add_argument("--artifact", default=None, help="the target artifact (default: the packaged ninfer-tiny)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the acceptance table (0: none)")
+    p.add_argument("--install", action="store_true", help="replace the packaged artifact with the merged one")
+    a = p.parse_args(argv)
+    artifact = a.artifact or str(package_artifact_path())
+    summary = train(a.out, RECIPES[a.recipe], artifact, a.seed, a.device, a.eval_prompts)
+    if a.install:
+        dest = package_artifact_path()
+        tmp = str(dest) + ".part"
+        shutil.copyfile(summary["merged"], tmp)
+        os.replace(tmp, dest)
+        log(f"[dflash] installed {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
