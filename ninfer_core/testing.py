@@ -440,3 +440,9 @@ def pytest_collect_file(file_path, parent):
     from ninfer_core.contract.pytest_plugin import collect_file
 
     return collect_file(file_path, parent)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    from ninfer_core.contract.pytest_plugin import make_module
+
+    return make_module(module_path, parent)

@@ -30,8 +30,21 @@ class ContractModule(pytest.Module):
 
 
 def collect_file(file_path, parent):
-    if file_path.name != "conftest.py":
+    """`pytest_collect_file`: a declaring conftest inside a collected directory."""
+    if file_path.name != "conftest.py" or parent.session.isinitpath(file_path):
+        return None  # a conftest named on the command line comes through make_module instead
+    return _contract_module(file_path, parent)
+
+
+def make_module(module_path, parent):
+    """`pytest_pycollect_makemodule`: a declaring conftest named on the command line (pytest would
+    otherwise import it a second time as a test module)."""
+    if module_path.name != "conftest.py":
         return None
+    return _contract_module(module_path, parent)
+
+
+def _contract_module(file_path, parent):
     conftest = parent.config.pluginmanager.get_plugin(str(file_path))
     cases = getattr(conftest, "ninfer_contract", None)
     if not cases:
