@@ -199,3 +199,19 @@ def test_the_pytest_plugin_collects_the_suite_under_a_declaring_conftest(tmp_pat
     assert "FAILED conftest.py::test_contract_prefill_equals_chunked_prefill[chunky]" in out, out
     assert "contract rule 'prefill-equals-chunked-prefill' broken by chunky" in out
     assert "1 failed, 13 passed, 2 skipped" in out, out
+
+
+def test_declaring_conftests_named_on_the_command_line_are_each_collected_once(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "conftest.py").write_text(textwrap.dedent("""
+            from ninfer_core.contract import RunnerContract
+            from ninfer_core.testing import ToyRunner
+
+            ninfer_contract = {"toy": RunnerContract(lambda d: ToyRunner(), page_size=8)}
+        """))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "ninfer_core.testing", "-q", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), "a/conftest.py", "b/conftest.py"], capture_output=True,
+                          text=True, timeout=300, check=False, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "14 passed, 2 skipped" in out, out

@@ -28,6 +28,7 @@ from ninfer_core.engine.model_api import (
     KVGroup,
     ModelInfo,
     ModelRunner,
+    RunnerOptions,
     SegmentOutput,
     StateImage,
     check_batch,
@@ -46,19 +47,28 @@ class ExampleRunner(ModelRunner):
                               int(hidden), eos_token_ids=eos_token_ids, n_params=sum(w.numel() for w in weights.values()))
         self.device = torch.device("cpu")
         self.k = self.v = self.state = None
+        self.kv_dtype = torch.float32  # `--kv-dtype` (RunnerOptions.kv_dtype) may ask for another
         self._uncommitted: dict[int, torch.Tensor] = {}  # slot -> state after each verify position [T, hidden]
 
     # -- geometry and cache ---------------------------------------------------------------------
+    def configure(self, options: RunnerOptions) -> None:
+        fmt = options.kv_dtype  # a registered KV format (`ninfer_register_kv_dtypes`), or None
+        if fmt is not None:
+            dtype = getattr(torch, getattr(fmt, "torch_dtype", ""), None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"the example family cannot store KV as {getattr(fmt, 'name', fmt)!r}")
+            self.kv_dtype = dtype
+
     def cache_spec(self) -> CacheSpec:
-        h = self.info.hidden_size
-        return CacheSpec(kv_groups=(KVGroup(GROUP, (0,), kv_heads=1, head_dim=h, bytes_per_token=2 * h * 4),),
+        h, kv = self.info.hidden_size, self.kv_dtype.itemsize
+        return CacheSpec(kv_groups=(KVGroup(GROUP, (0,), kv_heads=1, head_dim=h, bytes_per_token=2 * h * kv),),
                          state_bytes=h * 4, state_layers=(1,))
 
     def allocate_cache(self, num_pages: int, num_slots: int, page_size: int = PAGE_SIZE) -> None:
         h = self.info.hidden_size
         self.page_size = page_size
-        self.k = torch.zeros(num_pages, page_size, h)  # [page, row, hidden]
-        self.v = torch.zeros(num_pages, page_size, h)
+        self.k = torch.zeros(num_pages, page_size, h, dtype=self.kv_dtype)  # [page, row, hidden]
+        self.v = torch.zeros(num_pages, page_size, h, dtype=self.kv_dtype)
         self.state = torch.zeros(num_slots, h)  # [slot, hidden]
         self._uncommitted = {}
 
@@ -113,10 +123,12 @@ class ExampleRunner(ModelRunner):
         x = self.embed_w[ids]  # [T, hidden]
         table = torch.tensor(list(seg.tables[GROUP]), dtype=torch.long)
         pos = torch.arange(seg.start, seg.end)
-        self.k[table[pos // ps], pos % ps] = x @ self.wk
-        self.v[table[pos // ps], pos % ps] = x @ self.wv
+        self.k[table[pos // ps], pos % ps] = (x @ self.wk).to(self.kv_dtype)
+        self.v[table[pos // ps], pos % ps] = (x @ self.wv).to(self.kv_dtype)
         every = torch.arange(seg.end)
-        keys, values = self.k[table[every // ps], every % ps], self.v[table[every // ps], every % ps]  # [end, hidden]
+        # every key and value read back from the pages (in fp32), the new ones included
+        keys = self.k[table[every // ps], every % ps].float()  # [end, hidden]
+        values = self.v[table[every // ps], every % ps].float()
         scores = (x @ self.wq) @ keys.T / math.sqrt(self.info.hidden_size)  # [T, end]
         scores = scores.masked_fill(every[None, :] > pos[:, None], float("-inf"))
         attn = torch.softmax(scores, dim=-1) @ values
