@@ -9,7 +9,9 @@ Selection (pytest `-p` style):
     without an entry point.
   * `no:NAME` in either list blocks that plugin, a built-in included.
   * `NINFER_DISABLE_PLUGIN_AUTOLOAD=1`: no entry-point plugin loads unless named.
-A plugin that fails to import raises PluginLoadError naming its package and the error.
+A plugin that fails to import raises PluginLoadError naming its package and the error; two
+distributions registering one entry-point name, or a hook implementation no spec declares, raise
+RegistrationError naming both distributions (the plugin and its package).
 """
 
 from __future__ import annotations

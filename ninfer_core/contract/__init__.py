@@ -23,6 +23,9 @@ RULES: dict[str, str] = {
     "batch-invariance": "a lane's logits do not depend on the other lanes of its forward",
     "capture-restore-equals-recompute": "a lane restored from capture_state + read_pages into another "
                                         "slot and pages continues as the recomputed prefix does",
+    "snapshot-equals-prefix": "a prefill's in-chunk snapshot leaves in its slot the state of the first "
+                              "`at` tokens: continuing from it (over copies of the pages) equals a prefill "
+                              "of those tokens",
     "verify-commit-rollback": "a verify of k+1 tokens gives a prefill's logits, and after commit(n) the "
                               "lane continues as if only the first n had run",
     "uncommitted-verify-refused": "a forward touching a slot whose verify is not committed raises",

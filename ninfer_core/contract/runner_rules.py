@@ -150,6 +150,28 @@ def capture_restore_equals_recompute(h: Harness) -> None:
                                               "a prefill of the whole sequence")
 
 
+def snapshot_equals_prefix(h: Harness) -> None:
+    rule = "snapshot-equals-prefix"
+    if not h.runner.supports_context_cache:
+        import pytest
+
+        pytest.skip("the runner states no context-cache support (copy_slot/copy_page/capture/restore)")
+    toks = h.tokens(h.contract.prompt_tokens, 12)
+    at = len(toks) - 9  # not on a page boundary
+    extra = h.tokens(3, 13)
+    h.runner.reset_slot(0)
+    h.runner.reset_slot(5)
+    seg = h.seg(0, 0, toks, logits=LOGITS_LAST)
+    seg.snapshot = (at, 5)
+    h.run(seg)
+    for src, dst in zip(h.pages(0)[: -(-at // h.page_size)], h.pages(5)):
+        h.runner.copy_page(src, dst)
+    reference = h.prefill_all(2, toks[:at] + extra)[at:]
+    rows = [h.run(h.seg(5, at + j, [t], DECODE, LOGITS_LAST))[0].reshape(1, -1) for j, t in enumerate(extra)]
+    h.close(rule, torch.cat(rows), reference, f"decode from the snapshot after {at} of {len(toks)} tokens "
+                                              "against a prefill of those tokens")
+
+
 def verify_commit_rollback(h: Harness) -> None:
     rule = "verify-commit-rollback"
     toks = h.tokens(h.contract.prompt_tokens, 5)
@@ -201,6 +223,7 @@ RUNNER_RULES = {
     "decode-equals-prefill": decode_equals_prefill,
     "batch-invariance": batch_invariance,
     "capture-restore-equals-recompute": capture_restore_equals_recompute,
+    "snapshot-equals-prefix": snapshot_equals_prefix,
     "verify-commit-rollback": verify_commit_rollback,
     "uncommitted-verify-refused": uncommitted_verify_refused,
     "cpu-reference-path": cpu_reference_path,
