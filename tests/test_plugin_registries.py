@@ -40,7 +40,7 @@ def ninfer_register_prefix_caches(register):
 @pytest.fixture
 def plugin(monkeypatch):
     mod = types.ModuleType("fake_registry.plugin")
-    exec(textwrap.dedent(PLUGIN_SRC), mod.__dict__)
+    exec(textwrap.dedent(PLUGIN_SRC), mod.__dict__)  # noqa: S102 - a plugin module made in the test
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     return mod
 
@@ -76,3 +76,16 @@ def test_an_unknown_kv_dtype_names_the_alternatives(plugin):
     host = _host([b for b in DEFAULT_PLUGINS if b[0] != "context_cache"])
     with pytest.raises(PluginError, match="unknown kv dtype 'int3'.*bf16.*fake8"):
         engine_plugins(host, EngineOptions(kv_dtype="int3"))
+
+
+def test_protocols_reach_the_engine_only_through_its_client_interface():
+    """No protocol module takes the engine's lock or reads its scheduler (ARCHITECTURE.md: the
+    server reaches an Engine only through the engine client)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "ninfer_core"
+    found = [f"{p.relative_to(root)}:{i}" for folder in ("protocols", "server") for p in (root / folder).glob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\b(eng|engine)\.(_cv|scheduler)\b", line)]
+    assert not found, f"engine internals used by the HTTP side: {found}"

@@ -255,6 +255,21 @@ class Engine:
                 "failed": self.recovery.failure,
             }
 
+    def slots_report(self, max_context: int) -> list[dict]:
+        """GET /slots: one row per private continuation cell of the context cache (none without one),
+        read under the engine's lock, never waiting on a forward."""
+        if self.cache is None:
+            return []
+        with self._cv:
+            return self.cache.slots_report(max_context, list(self.scheduler.lanes))
+
+    def bind_slot_file(self, slot: int, filename: str, depth: int, compat: dict) -> None:
+        """Bind a saved cell's session to its slot file (--auto-save-evicted), under the engine's lock."""
+        from ninfer_core.engine import cache_slots
+
+        with self._cv:
+            cache_slots.bind_file(self.cache, slot, filename, depth, compat)
+
     def run_control(self, fn) -> "concurrent.futures.Future":
         """Run `fn()` on the worker at the next boundary, with no forward in flight (slot save and
         restore); the future carries its result or exception."""
