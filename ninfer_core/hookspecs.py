@@ -63,9 +63,12 @@ def ninfer_register_vision_residencies(register):
 
 @hookspec
 def ninfer_register_prefix_caches(register):
-    """Register prefix-cache implementations: `register(name, target)`; server flags pick one.
+    """Register prefix-cache builders: `register(name, target)`; the cache flags pick one.
 
-    The checkpoint catalog is the default once it exists; `none` is always available.
+    `target` is "module:function" of `build(runner, pages, options, state_bytes, page_size) -> cache
+    or None`, or None for no cache. The server's loader resolves `checkpoint_catalog` (built in:
+    `ninfer_core.engine.cache:build_context_cache`), or `none` with --no-prefix-reuse, and the engine
+    calls the builder once, before it allocates the runner's cache.
     """
 
 

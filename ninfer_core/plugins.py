@@ -9,7 +9,9 @@ Selection (pytest `-p` style):
     without an entry point.
   * `no:NAME` in either list blocks that plugin, a built-in included.
   * `NINFER_DISABLE_PLUGIN_AUTOLOAD=1`: no entry-point plugin loads unless named.
-A plugin that fails to import raises PluginLoadError naming its package and the error.
+A plugin that fails to import raises PluginLoadError naming its package and the error; two
+distributions registering one entry-point name, or a hook implementation no spec declares, raise
+RegistrationError naming both distributions (the plugin and its package).
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ class PluginHost:
         for name, mod in self._builtins:
             if name not in sel.blocked:
                 self._register_module(name, mod, "ninfer-core", _core_version(), True)
-        eps = {ep.name: ep for ep in self._discover()}
+        eps = _entry_points_by_name(self._discover(), sel.blocked)
         wanted = [n for n in sel.names if n not in sel.blocked]
         for ep_name, ep in eps.items():
             if ep_name in sel.blocked:
@@ -252,8 +254,22 @@ class PluginHost:
                     f"plugin {name!r} was requested but no installed package provides it "
                     f"(entry-point plugins found: {known})"
                 )
+        self._check_hooks()
         self._loaded = True
         return self
+
+    def _check_hooks(self) -> None:
+        """Refuse a hook implementation no spec declares (a misspelled `ninfer_` name would otherwise
+        never be called), naming the plugin and its package; pluggy's `check_pending` finds them."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            plugin = next((p for p in self.plugins if self.pm.get_plugin(p.name) is e.plugin), None)
+            who = f"plugin {plugin.name!r} ({plugin.package})" if plugin else "a plugin"
+            names = sorted(n for n in dir(e.plugin) if n.startswith("ninfer_") and not hasattr(hookspecs, n))
+            raise RegistrationError(
+                f"{who} implements {', '.join(names) or 'a hook'} but no hook spec has that name "
+                f"(misspelled? the hooks are listed in ninfer_core/hookspecs.py)") from e
 
     # registries -----------------------------------------------------------------------------
     def _build_registries(self) -> dict[str, dict[str, Registration]]:
@@ -376,6 +392,28 @@ class PluginHost:
             rows.append({"name": p.name, "package": p.package, "version": p.version,
                          "builtin": p.builtin, "registers": what})
         return rows
+
+
+def _entry_points_by_name(eps: Iterable, blocked: set[str]) -> dict:
+    """Entry points by plugin name. One distribution seen twice (an editable install beside a path
+    entry) is one plugin; two distributions registering one name is an error naming both, since
+    keeping either would silently drop the other's plugin. A blocked name is not looked at."""
+    out: dict = {}
+    for ep in eps:
+        if ep.name in blocked:
+            continue
+        other = out.get(ep.name)
+        if other is None:
+            out[ep.name] = ep
+            continue
+        mine, theirs = _entry_point_dist(ep), _entry_point_dist(other)
+        if mine[0] == theirs[0] and getattr(ep, "value", None) == getattr(other, "value", None):
+            continue
+        raise RegistrationError(
+            f"two installed distributions register the plugin name {ep.name!r} in entry-point group "
+            f"{GROUP!r}: {theirs[0]} ({getattr(other, 'value', '?')}) and {mine[0]} "
+            f"({getattr(ep, 'value', '?')}); uninstall one, or block the name with no:{ep.name}")
+    return out
 
 
 def _signature(kwargs: dict) -> dict:

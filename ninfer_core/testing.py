@@ -1,4 +1,5 @@
-"""Test doubles that honour the core contracts: a toy tokenizer and a toy ModelRunner.
+"""Test doubles that honour the core contracts (a toy tokenizer and a toy ModelRunner), and the
+pytest plugin that runs the plugin contract suite (ninfer_core.contract; see the end of the file).
 
 `ToyRunner` keeps real paged-KV and state-slot bookkeeping: every token it runs is written into
 the KV page row its position maps to, and folded into a rolling hash held in the sequence's state
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -426,3 +427,22 @@ def wait_server_idle(server, timeout: float = 20.0) -> dict:
             return load
         assert time.monotonic() < deadline, f"engine did not return to idle: {load}"
         time.sleep(0.05)
+
+
+# -- pytest plugin ------------------------------------------------------------------------------
+# `ninfer_core.testing` is also a pytest plugin (entry point pytest11 of ninfer-core; or
+# `-p ninfer_core.testing`): a conftest.py that declares `ninfer_contract = {case id: RunnerContract
+# or SpecContract}` gets the contract suite (ninfer_core.contract) collected beside its tests.
+# pytest is imported only when pytest calls in, so the doubles above stay importable without it.
+
+
+def pytest_collect_file(file_path, parent):
+    from ninfer_core.contract.pytest_plugin import collect_file
+
+    return collect_file(file_path, parent)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    from ninfer_core.contract.pytest_plugin import make_module
+
+    return make_module(module_path, parent)

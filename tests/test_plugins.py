@@ -212,3 +212,54 @@ def ninfer_register_kv_dtypes(register):
     assert "fake_lazy_target_not_imported" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
         reg.load()
+
+
+def test_two_distributions_with_one_plugin_name_are_both_named(make_module):
+    # Both used to be reduced to one by name: the first distribution's plugin vanished silently.
+    make_module("fake_twin1", FAMILY_SRC.format(name="twina", archs=["arch_t1"]))
+    make_module("fake_twin2", FAMILY_SRC.format(name="twinb", archs=["arch_t2"]))
+    eps = [FakeEntryPoint("twin", "fake_twin1", "ninfer-twin-one"),
+           FakeEntryPoint("twin", "fake_twin2", "ninfer-twin-two")]
+    with pytest.raises(RegistrationError) as ei:
+        _host(eps).load()
+    msg = str(ei.value)
+    assert "'twin'" in msg and "ninfer-twin-one" in msg and "ninfer-twin-two" in msg
+    assert "fake_twin1" in msg and "fake_twin2" in msg
+    assert eps[0].loads == 0 and eps[1].loads == 0  # refused before either is imported
+
+
+def test_one_distribution_listed_twice_is_one_plugin(make_module):
+    make_module("fake_twice", FAMILY_SRC.format(name="twice", archs=["arch_tw"]))
+    eps = [FakeEntryPoint("twice", "fake_twice", "ninfer-twice"), FakeEntryPoint("twice", "fake_twice", "ninfer-twice")]
+    host = _host(eps)
+    assert host.family_for_architecture("arch_tw").package == "ninfer-twice"
+    assert [p.name for p in host.plugins].count("twice") == 1
+
+
+def test_blocking_a_colliding_name_loads_neither(make_module):
+    eps = [FakeEntryPoint("twin", "fake_twin_x", "ninfer-x"), FakeEntryPoint("twin", "fake_twin_y", "ninfer-y")]
+    host = _host(eps, blocked={"twin"})
+    host.load()
+    assert "twin" not in [p.name for p in host.plugins]
+
+
+def test_misspelled_hook_implementation_fails_at_load(make_module):
+    make_module("fake_typo", """
+from ninfer_core import hookimpl
+
+@hookimpl
+def ninfer_register_model_familes(register):
+    register("typo", "x:Y", architectures=["arch_typo"])
+""")
+    host = _host([FakeEntryPoint("typo", "fake_typo", "ninfer-typo")])
+    with pytest.raises(RegistrationError) as ei:
+        host.load()
+    msg = str(ei.value)
+    assert "ninfer_register_model_familes" in msg and "ninfer-typo" in msg and "'typo'" in msg
+
+
+def test_every_installed_plugin_passes_the_hook_check():
+    # The plugins of this checkout (NINFER_PLUGINS / entry points) implement only declared hooks.
+    host = PluginHost(PluginSelection.from_sources())
+    host.load()
+    assert {"kv_bf16", "openai_chat"} <= {p.name for p in host.plugins}

@@ -166,3 +166,13 @@ class EngineClient(Protocol):
 
     def default_output_limit(self, prompt_tokens: int) -> int:
         """The output budget a request that names none would receive."""
+
+    # The context cache's /slots routes (an engine without a prefix cache has `cache` None):
+    def slots_report(self, max_context: int) -> list[dict]:
+        """One row per private continuation cell, read without waiting on a forward."""
+
+    def bind_slot_file(self, slot: int, filename: str, depth: int, compat: dict) -> None:
+        """Bind a saved cell's session to its slot file."""
+
+    def run_control(self, fn) -> Any:
+        """A concurrent.futures.Future of `fn()` run on the worker at the next boundary."""

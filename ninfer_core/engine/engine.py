@@ -80,21 +80,28 @@ def _context_report(seq: Sequence) -> dict | None:
 class Engine:
     """Serves GenerationRequests on one ModelRunner; see `ninfer_core.engine.api.EngineClient`."""
 
-    def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions, spec=None):
-        """`spec`: a loaded `ninfer_core.engine.spec.SpecBackend` (`--spec`), or None."""
+    def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions, spec=None,
+                 prefix_cache=build_context_cache, kv_dtype=None):
+        """`spec`: a loaded `ninfer_core.engine.spec.SpecBackend` (`--spec`), or None.
+
+        `prefix_cache`: the builder a `ninfer_register_prefix_caches` registration names,
+        `(runner, pages, options, state_bytes, page_size) -> cache or None`; None serves every
+        request from root. `kv_dtype`: the object `--kv-dtype` resolved to (None: the runner's
+        native format); the runner gets it in `RunnerOptions.kv_dtype`."""
         if not 1 <= options.max_concurrency <= 8:
             raise ValueError(f"max_concurrency must be in 1..8, got {options.max_concurrency}")
         self.runner = runner
         self.tokenizer = tokenizer
         self.options = options
         self.spec = spec
+        self.kv_dtype = kv_dtype
         self.page_size = PAGE_SIZE
         ngram = options.ngram_options(spec.draft_tokens if spec is not None else 0)
         widths = set(spec.verify_widths if spec is not None else ())
         if ngram.enabled:
             widths.update(range(2, 2 + max(ngram.draft_tokens, ngram.lookup_drafts if ngram.lookup else 0)))
         runner.configure(RunnerOptions(cuda_graph=options.cuda_graph, verify_widths=tuple(sorted(widths)),
-                                       max_lanes=options.max_concurrency,
+                                       max_lanes=options.max_concurrency, kv_dtype=kv_dtype,
                                        max_segment_tokens=max(options.prefill_chunk, max(widths, default=1))))
         self.cache_spec = runner.cache_spec()
         from ninfer_core.engine.kv_sizing import pool_pages
@@ -107,7 +114,8 @@ class Engine:
         pool = PagePool(self.pool_pages, self.page_size)
         # Context cache (spec "Execution behavior"): None with --no-prefix-reuse or a runner that
         # cannot capture state; its Device checkpoint slots are runner slots past the lanes.
-        self.cache = build_context_cache(runner, pool, options, self.cache_spec.state_bytes, self.page_size)
+        self.cache = (prefix_cache(runner, pool, options, self.cache_spec.state_bytes, self.page_size)
+                      if prefix_cache is not None else None)
         extra_slots = self.cache.device_slots_total if self.cache is not None else 0
         runner.allocate_cache(self.pool_pages, options.max_concurrency + extra_slots, self.page_size)
         self.scheduler = Scheduler(options.max_concurrency, pool, SlotPool(options.max_concurrency),
@@ -260,6 +268,21 @@ class Engine:
             return dict(self.runner.counters() or {})
         except Exception:  # noqa: BLE001 - a stats probe must answer even if a family's report fails
             return {}
+
+    def slots_report(self, max_context: int) -> list[dict]:
+        """GET /slots: one row per private continuation cell of the context cache (none without one),
+        read under the engine's lock, never waiting on a forward."""
+        if self.cache is None:
+            return []
+        with self._cv:
+            return self.cache.slots_report(max_context, list(self.scheduler.lanes))
+
+    def bind_slot_file(self, slot: int, filename: str, depth: int, compat: dict) -> None:
+        """Bind a saved cell's session to its slot file (--auto-save-evicted), under the engine's lock."""
+        from ninfer_core.engine import cache_slots
+
+        with self._cv:
+            cache_slots.bind_file(self.cache, slot, filename, depth, compat)
 
     def run_control(self, fn) -> "concurrent.futures.Future":
         """Run `fn()` on the worker at the next boundary, with no forward in flight (slot save and

@@ -166,6 +166,9 @@ class RunnerOptions:
     # the longest run of new tokens one lane brings to a forward (the engine's prefill chunk; 0:
     # not stated). A runner whose per-lane cache depends on it (a sliding-window ring) sizes by it.
     max_segment_tokens: int = 0
+    # what `--kv-dtype` resolved to through `ninfer_register_kv_dtypes` (None: the runner's native
+    # KV format). A runner that cannot store its KV in it refuses in `configure`.
+    kv_dtype: Any = None
 
 
 @dataclass

@@ -66,8 +66,7 @@ class Slots:
             if cache is None:
                 return []
             speculative = bool((eng.snapshot() or {}).get("speculative"))
-            with eng._cv:
-                rows = cache.slots_report(ctx.options.engine.max_context, list(eng.scheduler.lanes))
+            rows = eng.slots_report(ctx.options.engine.max_context)
             for row in rows:
                 row["speculative"] = speculative
             return rows
@@ -111,8 +110,7 @@ class Slots:
                         await anyio.to_thread.run_sync(cache_slots.write_atomic, directory, name, data)
                     except OSError as e:
                         raise EngineError(400, "slot_save_failed", f"writing {name} failed: {e.strerror}") from None
-                    with eng._cv:  # the session is bound to the file (--auto-save-evicted)
-                        cache_slots.bind_file(cache, slot, name, len(image.session), compat)
+                    eng.bind_slot_file(slot, name, len(image.session), compat)  # for --auto-save-evicted
                     log.info("slot %d saved to %s (%d tokens, %d bytes)", slot, name, len(image.session), len(data))
                     return {"id_slot": slot, "filename": name, "n_saved": len(image.session),
                             "n_written": len(data), "session_digest": cache_slots.digest_of(image),

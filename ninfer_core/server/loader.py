@@ -66,6 +66,17 @@ def load_options(opts) -> Any:
     ns.lm_head_q, ns.embedding_q = opts.lm_head_q, opts.embedding_q
     return ns
 
+def engine_plugins(host: Any, options: Any) -> tuple[Any, Any]:
+    """The KV dtype `--kv-dtype` names and the prefix-cache builder the cache flags pick
+    (`checkpoint_catalog`, or `none` with --no-prefix-reuse), each from its registry."""
+    if host is None:  # a context built without plugins (tests of the server alone): core's own
+        from ninfer_core.plugins import PluginHost, PluginSelection
+
+        host = PluginHost(PluginSelection(autoload=False))
+    kv_dtype = host.resolve("kv_dtype", options.kv_dtype).load()
+    cache = host.resolve("prefix_cache", "checkpoint_catalog" if options.prefix_reuse else "none").load()
+    return kv_dtype, cache
+
 
 class Loader:
     """Loads the model behind a serving port: family.load, Engine start, warmup, then ready."""
@@ -115,7 +126,9 @@ class Loader:
             if self.spec_reg is not None:  # the backend enables what it needs before the cache is sized
                 spec = self.spec_reg.load().load(runner, self.artifact, opts.plugin_options)
                 log.info("speculative backend %s: %s", self.spec_reg.name, spec.describe())
-            engine = Engine(runner, tokenizer, replace(opts.engine, device=device), spec=spec)
+            kv_dtype, prefix_cache = engine_plugins(ctx.plugins, opts.engine)
+            engine = Engine(runner, tokenizer, replace(opts.engine, device=device), spec=spec,
+                            prefix_cache=prefix_cache, kv_dtype=kv_dtype)
             engine.start()
             self.engine = engine
             engine.recovery.on_failure(self.on_engine_failure)

@@ -73,7 +73,7 @@ def run_serve(args, host: PluginHost | None = None) -> int:
     host = host or PluginHost(PluginSelection.from_sources(args.plugin))
     try:
         host.load()
-        for kind in ("protocol", "model_family", "kv_dtype", "spec_backend"):
+        for kind in ("protocol", "model_family", "kv_dtype", "spec_backend", "prefix_cache"):
             host.registry(kind)
         options.plugin_options = argparse.Namespace(
             **{o.dest: getattr(args, o.dest, o.kwargs.get("default")) for o in host.serve_options()})

@@ -65,3 +65,25 @@ def converted(tiny_dir):
     out = str(tiny_dir / "converted.ninfer")
     assert main(["convert", str(hf), out, "--no-progress", "--name", "flash-next-tiny"]) == 0
     return out
+
+
+def _contract_runner(workdir):
+    from ninfer_flash_next.family import FlashNextFamily
+    from ninfer_flash_next.testing import build_tiny_artifact
+
+    from ninfer_core.artifact import Artifact
+
+    path = workdir / "flash.ninfer"
+    if not path.exists():
+        build_tiny_artifact(path, seed=3)
+    return FlashNextFamily().load(Artifact.open(str(path)))
+
+
+# The plugin contract suite (ninfer_core.contract), run on the CPU reference runner.
+from ninfer_core.contract import RunnerContract  # noqa: E402
+
+ninfer_contract = {"flash_next": RunnerContract(
+    _contract_runner, plugin="ninfer_flash_next.plugin",
+    option_examples={"--expert-cache-mib": ["auto", "64"], "--expert-profile": ["experts.json"],
+                     "--expert-profile-out": ["experts.json"], "--ngram-table": ["table.ninfer"],
+                     "--ngram-io-depth": ["8"], "--ngram-ram-mib": ["16"], "--ngram-hot-profile": ["hot.json"]})}

@@ -11,11 +11,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 def gemma_artifacts(tmp_path_factory):
     """kind -> converted random artifact (E2B-shaped: sliding+global, shared KV, PLE, double-wide MLP;
     26B-A4B-shaped: K=V global layers and the MoE block)."""
+    d = tmp_path_factory.mktemp("gemma4")
+    return {kind: _tiny_artifact(kind, d) for kind in KINDS}
+
+
+KINDS = ("e2b", "26b-a4b")
+_BUILT: dict = {}
+
+
+def _tiny_artifact(kind, directory):
+    """The session's random artifact of `kind` (seed by kind), built once into the first directory
+    asked: the fixtures above and the contract cases below share it (the conversion is slow)."""
     from ninfer_gemma4.testing import build_tiny_artifact
 
-    d = tmp_path_factory.mktemp("gemma4")
-    return {kind: build_tiny_artifact(d / f"{kind}.ninfer", kind=kind, seed=i + 1)
-            for i, kind in enumerate(("e2b", "26b-a4b"))}
+    if kind not in _BUILT:
+        _BUILT[kind] = build_tiny_artifact(directory / f"{kind}.ninfer", kind=kind, seed=KINDS.index(kind) + 1)
+    return _BUILT[kind]
 
 
 from gemma4_test_support import plugin_flags  # noqa: F401  (the tests import it from there)
@@ -36,3 +47,21 @@ def launch():
     sys.modules[spec.name] = mod  # dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(mod)
     return mod.launch_server
+
+
+def _contract_runner(kind):
+    def load(workdir):
+        from ninfer_gemma4.family import Gemma4Family
+
+        from ninfer_core.artifact import Artifact
+
+        return Gemma4Family().load(Artifact.open(str(_tiny_artifact(kind, workdir))))
+
+    return load
+
+
+# The plugin contract suite (ninfer_core.contract) on both shapes: E2B (sliding + global, shared KV,
+# PLE) and 26B-A4B (K=V global layers, MoE); prompts of 40 tokens cross the window of 8.
+from ninfer_core.contract import RunnerContract
+
+ninfer_contract = {kind: RunnerContract(_contract_runner(kind), plugin="ninfer_gemma4.plugin") for kind in KINDS}

@@ -181,3 +181,14 @@ def test_ring_capture_restore_and_snapshot_resume_equal_recompute(pair):
     with pytest.raises(ValueError, match="ring"):
         fresh(runner, 20)  # another ring size (7 pages, not 4): an image of the 4-page ring does not fit
         runner.restore_state(image, 0)
+
+
+def test_core_parity_helper(pair, gemma_artifacts):
+    """ninfer_core.contract.parity (the helper a third-party family uses) on a fresh runner: one
+    prefill, chunks of 7 across the window and token-by-token decode against transformers."""
+    from ninfer_core.contract.parity import transformers_parity
+
+    kind, _, ref = pair
+    runner = Gemma4Family().load(Artifact.open(gemma_artifacts[kind]))
+    errs = transformers_parity(runner, ref, IDS[:30], page_size=PS, label=kind)
+    assert len(errs) == 3

@@ -35,3 +35,26 @@ def loaded(artifacts):
         art = Artifact.open(path)
         out[kind] = (art, hf_causal_lm(art))
     return out
+
+
+def _contract_runner(kind):
+    def load(workdir):
+        from ninfer_qwen35.family import Qwen35Family
+        from ninfer_qwen35.testing import build_tiny_artifact
+
+        from ninfer_core.artifact import Artifact
+
+        path = workdir / f"{kind}.ninfer"
+        if not path.exists():  # 4 layers: 3 Gated DeltaNet and 1 full attention
+            build_tiny_artifact(path, kind=kind, seed=3, num_layers=4)
+        return Qwen35Family().load(Artifact.open(path))
+
+    return load
+
+
+# The plugin contract suite (ninfer_core.contract), run on the CPU reference runner of both variants.
+from ninfer_core.contract import RunnerContract
+
+ninfer_contract = {
+    kind: RunnerContract(_contract_runner(kind), plugin="ninfer_qwen35.plugin") for kind in ("dense", "moe")
+}

@@ -112,3 +112,27 @@ def test_batched_decode_matches_alone_and_hf(loaded, kind):
         worst_hf = max(worst_hf, rel_err(batched[i], ref))
     report(kind, "batch of 3 vs each alone", worst_alone)
     report(kind, "batch of 3 vs transformers", worst_hf)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_core_parity_helper_on_both_variants(loaded, kind):
+    """ninfer_core.contract.parity, the helper a third-party family uses, on this family: it agrees
+    here, and it fails naming the path when our logits are off."""
+    from ninfer_core.contract.parity import ParityError, transformers_parity
+
+    art, hf = loaded[kind]
+    errs = transformers_parity(Qwen35Family().load(art), hf, prompt(70, seed=9), label=kind)
+    assert set(errs) == {"one prefill", "prefill in chunks of 7", "token-by-token decode"}
+    broken = Qwen35Family().load(art)
+    forward = broken.forward
+
+    def off_by_a_little(batch):  # every logit scaled by 1.01: a relative error of ~1e-2
+        outs = forward(batch)
+        for o in outs:
+            if o.logits is not None:
+                o.logits = o.logits * 1.01
+        return outs
+
+    broken.forward = off_by_a_little
+    with pytest.raises(ParityError, match=f"{kind} one prefill"):
+        transformers_parity(broken, hf, prompt(20, seed=9), label=kind)
