@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer_core.media.options import media_options_from_args
 
 # The argparse side lives in serve_options; these names stay importable from here.
 from ninfer_core.serve_options import (  # noqa: F401
@@ -175,6 +178,7 @@ class ServeOptions:
     webui_mcp_proxy: bool = False  # the /cors-proxy relay for the WebUI's MCP client
     engine: EngineOptions = field(default_factory=EngineOptions)
     thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
+    media: Any = None  # ninfer_core.media.options.MediaOptions (None: vision off)
 
 
 def _comma_list(s: str) -> list[str]:
@@ -255,5 +259,6 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         tags=list(getattr(a, "tags", []) or []),
         **structured_options_from_args(a),
         **client_options_from_args(a),
+        media=media_options_from_args(a),
     )
 

@@ -29,6 +29,7 @@ GROUP = "ninfer"
 # Built-in plugins: (plugin name, module). Registered exactly as outside plugins are.
 DEFAULT_PLUGINS: list[tuple[str, str]] = [
     ("kv_bf16", "ninfer_core.engine.kv_bf16"),
+    ("vision_residencies", "ninfer_core.media.residency"),
     ("ops", "ninfer_core.protocols.ops"),
     ("context_cache", "ninfer_core.engine.cache"),
     ("slots", "ninfer_core.protocols.slots"),

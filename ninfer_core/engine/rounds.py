@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ninfer_core.engine.media_side import segment_side
 from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, VERIFY, ForwardBatch, LaneSegment
 from ninfer_core.engine.ngram import LaneDrafter, NgramArchive, NgramOptions
 from ninfer_core.engine.pages import pages_for
@@ -72,7 +73,9 @@ class RoundDriver:
             verify = any(drafts)
             segs = [LaneSegment(s.slot, self._tables(s, s.num_cached + 1 + len(d)), s.num_cached,
                                 [s.last_token, *d], VERIFY if verify else DECODE,
-                                LOGITS_ALL if verify else "last")
+                                LOGITS_ALL if verify else "last",
+                                side=None if s.request.media is None else
+                                segment_side(s.request.media, s.num_cached, 1 + len(d), None))
                     for s, d in zip(batch, drafts)]
             outs = eng.runner.forward(ForwardBatch(segs))
             eng._launches += 1

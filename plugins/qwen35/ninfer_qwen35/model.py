@@ -60,7 +60,8 @@ class Qwen35TextModel(nn.Module):
         `collect`: layer indices whose output (the residual stream after the layer) is stored in
         `ctx.layer_outputs`; `embeds` replaces the token embeddings (media spliced in)."""
         x = self.embed_tokens(tokens) if embeds is None else embeds
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        rope = ctx.rope_positions if ctx.rope_positions is not None else ctx.positions
+        ctx.cos, ctx.sin = self.rotary.cos_sin(rope, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx)
             if i in collect:
