@@ -39,7 +39,7 @@ class PreparedMedia:
     """One item's immutable patch input, shared by every request that sends the same bytes.
 
     `pixel_values` [patches, patch_dim] (the family's layout and dtype); `grid` the family's grid
-    (Qwen: (t, h, w) in patches); `tokens` the merged tokens the item takes in the prompt; `digest`
+    (e.g. (t, h, w) in patches); `tokens` the merged tokens the item takes in the prompt; `digest`
     SHA-256 of the acquired bytes plus modality and preparation key (detail). `extra` carries
     what the family's placeholder expansion needs besides the grid (a video's frame times).
     """

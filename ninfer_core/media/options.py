@@ -35,11 +35,11 @@ def add_media_arguments(p: argparse.ArgumentParser) -> None:
                    help="enable image and video input and load the artifact's vision tower (default off: media "
                         "requests fail with vision_disabled)")
     g.add_argument("--vision-residency", default=None, metavar="NAME",
-                   help="where the vision tower lives: resident (device, the default), cpu (FP32 on host threads), "
-                        "or another registered residency; requires --vision")
+                   help="where the vision tower lives: resident (on the device), cpu (FP32 on host threads), or "
+                        "another registered residency; requires --vision (default resident)")
     g.add_argument("--vision-offload", choices=("on", "off"), default=None,
-                   help="alias of --vision-residency overlay (on) or resident (off)")
-    g.add_argument("--vision-cpu", action="store_true", help="--vision with --vision-residency cpu")
+                   help="alias of --vision-residency overlay (on) or resident (off) (default: unset)")
+    g.add_argument("--vision-cpu", action="store_true", help="--vision with --vision-residency cpu (default off)")
     g.add_argument("--vision-max-merged", type=integer(64, 16384), default=None, metavar="N",
                    help="merged-token budget of one media item, 64..16384; larger media is downscaled "
                         "(default 16384; 256 with --vision-residency cpu)")
@@ -50,10 +50,10 @@ def add_media_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--media-preprocess-threads", type=integer(0, 256), default=0, metavar="N",
                    help="media preprocessing workers; 0 picks at most 16 from the host's cores (default 0)")
     g.add_argument("--media-fetch-timeout-s", type=number(0, 3600, lo_open=True), default=30.0, metavar="S",
-                   help="time limit of one media URL fetch in seconds (default 30)")
+                   help="time limit of one media URL fetch in seconds (default 30.0)")
     g.add_argument("--lenient-image-detail", action="store_true",
                    help="read an unknown OpenAI image detail as auto instead of failing with "
-                        "image_detail_not_supported")
+                        "image_detail_not_supported (default off)")
 
 
 def media_options_from_args(a: argparse.Namespace) -> MediaOptions:
