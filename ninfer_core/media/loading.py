@@ -32,6 +32,7 @@ def load_vision(ctx: Any, family: Any, artifact: Any, runner: Any, vocab_size: i
     target = reg.load()
     residency = target.load(family, artifact, runner, ctx.options.plugin_options)
     service = MediaService(processor, opts, vocab_size, ctx.options.max_request_mib << 20)
-    log.info("vision: residency %s, at most %d merged tokens per item, media cache %d MiB (live %d MiB)",
-             opts.residency, service.max_merged, opts.cache_mib, opts.live_mib)
+    log.info("vision: residency %s (%s), at most %d merged tokens per item, media cache %d MiB (live %d MiB)",
+             opts.residency, ", ".join(f"{k} {v}" for k, v in residency.describe().items() if k != "residency"),
+             service.max_merged, opts.cache_mib, opts.live_mib)
     return residency, service

@@ -283,8 +283,10 @@ def test_without_vision_media_is_refused(vl_artifact, launch, tmp_path):
         server.stop()
 
 
-def test_cpu_residency_gives_the_same_completion(vision, vl_artifact, launch, tmp_path):
-    cpu = launch(vl_artifact, "--vision-cpu", "--max-context", "4096", log_dir=tmp_path)
+@pytest.mark.parametrize("flags", [("--vision-cpu",), ("--vision", "--vision-residency", "overlay")],
+                         ids=["cpu", "overlay"])
+def test_other_residencies_give_the_same_completion(vision, vl_artifact, launch, tmp_path, flags):
+    cpu = launch(vl_artifact, *flags, "--max-context", "4096", log_dir=tmp_path)
     try:
         content = [{"type": "text", "text": "Describe it."}, _image_part(data_uri(_png(128, 96, 5)))]
         with _client(vision) as a, _client(cpu) as b:

@@ -175,6 +175,13 @@ class Qwen35VisionModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        x, cos, sin, frames = self.embed(pixel_values, grids)
+        for blk in self.blocks:
+            x = blk(x, cos, sin, frames)
+        return self.merger(x)
+
+    def embed(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]):
+        """Patch embedding plus resampled positions: (x [patches, hidden], cos, sin, frame lengths)."""
         cfg = self.cfg
         dtype = self.patch_embed.proj.weight.dtype
         x = pixel_values.to(dtype).reshape(-1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
@@ -189,10 +196,7 @@ class Qwen35VisionModel(nn.Module):
             sin.append(s.repeat(t, 1))
             frames += [h * w] * t
         x = x + torch.cat(pos).to(x.dtype)
-        cos, sin = torch.cat(cos), torch.cat(sin)
-        for blk in self.blocks:
-            x = blk(x, cos, sin, frames)
-        return self.merger(x)
+        return x, torch.cat(cos), torch.cat(sin), frames
 
 
 class Qwen35VisionTower(VisionTower):
@@ -214,6 +218,79 @@ class Qwen35VisionTower(VisionTower):
         if self.device.type == "cpu":
             return 0
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # -- overlay: host weights streamed through a device window -------------------------------------
+    def pin(self) -> None:
+        """Page-lock the host weights (copies to the device then run asynchronously)."""
+        if torch.cuda.is_available():
+            for p in self.model.parameters():
+                p.data = p.data.pin_memory()
+
+    def window_bytes(self) -> int:
+        """Device bytes one streamed encode borrows: two block slots, the embedding and the merger."""
+        m = self.model
+
+        def size(mod):
+            return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+        return 2 * size(m.blocks[0]) + size(m.patch_embed) + size(m.pos_embed) + size(m.merger)
+
+    @torch.inference_mode()
+    def encode_streamed(self, item: PreparedMedia, device) -> torch.Tensor:
+        """`encode` with the weights in host memory: the embedding and merger are copied for this
+        encode, the blocks stream through two device slots (the next one loads on a copy stream
+        while the current one computes). The same kernels on the same bytes as a resident tower."""
+        dev = torch.device(device)
+        host, cfg = self.model, self.model.cfg
+        dtype = host.patch_embed.proj.weight.dtype
+        cuda = dev.type == "cuda"
+        copy_stream = torch.cuda.Stream(device=dev) if cuda else None
+
+        def slot(factory):
+            with torch.device("meta"):
+                mod = factory().to(dtype)
+            return mod.to_empty(device=dev)
+
+        def fill(dst: nn.Module, src: nn.Module) -> None:
+            for a, b in zip(dst.parameters(), src.parameters()):
+                a.copy_(b, non_blocking=cuda)
+
+        def make_model():
+            return Qwen35VisionModel(VisionConfig(**{**cfg.__dict__, "depth": 0}))
+
+        front = slot(make_model)
+        fill(front.patch_embed, host.patch_embed)
+        fill(front.pos_embed, host.pos_embed)
+        fill(front.merger, host.merger)
+        slots = [slot(lambda: VisionBlock(cfg)) for _ in range(min(2, cfg.depth))]
+        ready: list = [None, None]
+
+        def load(i: int) -> None:
+            target = slots[i % 2]
+            if not cuda:
+                fill(target, host.blocks[i])
+                return
+            compute = torch.cuda.current_stream(dev)
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_stream(compute)  # the slot's previous block has finished
+                fill(target, host.blocks[i])
+                ev = torch.cuda.Event()
+                ev.record(copy_stream)
+                ready[i % 2] = ev
+
+        if cfg.depth:
+            load(0)
+        x, cos, sin, frames = front.embed(item.pixel_values.to(dev), [tuple(item.grid)])
+        for i in range(cfg.depth):
+            if i + 1 < cfg.depth:
+                load(i + 1)
+            if cuda:
+                torch.cuda.current_stream(dev).wait_event(ready[i % 2])
+            x = slots[i % 2](x, cos, sin, frames)
+        out = front.merger(x)
+        if out.shape[0] != item.tokens:
+            raise RuntimeError(f"the tower produced {out.shape[0]} embeddings for an item of {item.tokens} tokens")
+        return out
 
 
 def load_vision_model(artifact, device: torch.device, dtype: torch.dtype) -> Qwen35VisionModel:

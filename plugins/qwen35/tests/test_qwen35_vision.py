@@ -129,3 +129,17 @@ def test_tower_bf16_is_close_to_fp32(vl):
     b = fam.vision_tower(art, "cpu", torch.bfloat16).encode(item).float()
     assert a.shape == (tokens, art.config["text_config"]["hidden_size"])
     assert rel_err(b, a) <= 5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_encode_equals_the_resident_one(vl, dtype):
+    """The overlay residency's path: host weights through two block slots, the same bytes out."""
+    art, _ = vl
+    fam = Qwen35Family()
+    proc = Qwen35MediaProcessor(art.config)
+    pv, grid, tokens = proc.prepare_image(_image(200, 120, seed=4), 128)
+    item = PreparedMedia(IMAGE, "01" * 32, pv, grid, tokens)
+    tower = fam.vision_tower(art, "cpu", dtype)
+    resident = tower.encode(item)
+    streamed = tower.encode_streamed(item, "cpu")
+    assert torch.equal(resident, streamed)
