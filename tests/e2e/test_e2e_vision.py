@@ -102,8 +102,10 @@ def vl_artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vision(vl_artifact, launch, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("vision-logs")
     server = launch(vl_artifact, "--vision", "--vision-max-merged", "1024", "--max-context", "4096",
-                    "--max-request-mib", "2", log_dir=tmp_path_factory.mktemp("vision-logs"))
+                    "--max-request-mib", "2", "--request-log-jsonl", str(logs / "requests.jsonl"), log_dir=logs)
+    server.request_log = logs / "requests.jsonl"
     yield server
     server.stop()
 
@@ -299,3 +301,22 @@ def test_other_residencies_give_the_same_completion(vision, vl_artifact, launch,
         assert "image" in models["architecture"]["input_modalities"]
     finally:
         cpu.stop()
+
+
+def test_request_log_records_media(vision):
+    import json
+
+    with _client(vision) as c:
+        _chat(c, [_image_part(data_uri(_png(64, 64, 11)))], max_tokens=1)
+        _chat(c, [_image_part(data_uri(_png(64, 64, 11)))], max_tokens=1)
+    records = [json.loads(line) for line in vision.request_log.read_text().splitlines() if line.strip()]
+    start = next(r for r in records if r["event"] == "server_start")
+    assert start["vision"]["residency"] == "resident" and start["vision"]["max_merged_per_item"] == 1024
+    media = [r["media"] for r in records if r["event"] == "request_start" and r.get("media")]
+    last_two = media[-2:]
+    assert [m["cache"] for m in last_two] == [{"hit": 0, "miss": 1, "single_flight": 0},
+                                              {"hit": 1, "miss": 0, "single_flight": 0}]
+    assert all(m["items"] == 1 and m["tokens"] == 64 and m["source_bytes"] > 0 for m in last_two)
+    assert last_two[0]["digests"] == last_two[1]["digests"]
+    done = [r for r in records if r["event"] == "request_done"][-1]
+    assert done["timings_seconds"]["vision"] == 0.0  # the second one reused the first one's prefix
