@@ -143,3 +143,36 @@ def test_streamed_encode_equals_the_resident_one(vl, dtype):
     resident = tower.encode(item)
     streamed = tower.encode_streamed(item, "cpu")
     assert torch.equal(resident, streamed)
+
+
+def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
+    """The fast runner (its torch fallbacks on the CPU) hands segments with side inputs to the
+    reference path: prefill, a verify of three tokens with mRoPE positions, its commit, a decode."""
+    from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+
+    from ninfer_core.engine.model_api import VERIFY
+
+    art, _ = vl
+    fam = Qwen35Family()
+    proc = Qwen35MediaProcessor(art.config)
+    pv, grid, tokens = proc.prepare_image(_image(64, 64, seed=9), 64)
+    item = PreparedMedia(IMAGE, "77" * 32, pv, grid, tokens)
+    exp = proc.expand(_prompt(proc.placeholder_ids[IMAGE]), [item])
+    media = type("M", (), {"positions": exp.positions, "position_delta": exp.position_delta, "spans": exp.spans})
+    emb = fam.vision_tower(art, "cpu", torch.float32).encode(item)
+    ids = [10_000 + i if any(s.start <= i < s.end for s in exp.spans) else t for i, t in enumerate(exp.ids)]
+    n = len(ids)
+    outs = []
+    for runner in (fam.load(art), GpuQwen35Runner.from_runner(fam.load(art))):
+        runner.allocate_cache(8, 2)
+        tables = {"full_attention": [3, 4, 5, 6]}
+        seg = LaneSegment(0, tables, 0, ids, PREFILL, "all", side=segment_side(media, 0, n, lambda it: emb))
+        pre = runner.forward(ForwardBatch([seg]))[0].logits
+        ver = LaneSegment(0, tables, n, [60, 61, 62], VERIFY, "all", side=segment_side(media, n, 3, None))
+        v = runner.forward(ForwardBatch([ver]))[0].logits
+        runner.commit([(0, 2)])
+        dec = LaneSegment(0, tables, n + 2, [63], DECODE, side=segment_side(media, n + 2, 1, None))
+        d = runner.forward(ForwardBatch([dec]))[0].logits
+        outs.append((pre, v, d))
+    for a, b in zip(*outs):
+        assert rel_err(b, a) <= 1e-4

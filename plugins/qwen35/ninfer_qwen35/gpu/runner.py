@@ -238,8 +238,13 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             return self._verify_segments(segs)
         if plain and kinds == {PREFILL}:
             return [self._prefill_segment(s) for s in segs]
+        if VERIFY in kinds and PREFILL not in kinds and all(set(s.hidden) <= {FINAL_HIDDEN} for s in segs):
+            # side inputs (a media lane's mRoPE positions): the reference verify over the same caches;
+            # `commit` finishes it the reference way
+            self._last_verify = None
+            return super().forward(batch)
         if VERIFY in kinds:
-            raise NotImplementedError("a verify batch with side inputs, hidden layers or prefill segments")
+            raise NotImplementedError("a verify batch with hidden layers or prefill segments")
         return super().forward(batch)  # side inputs / layer outputs: the reference path (same caches)
 
     def _prefill_segment(self, s: LaneSegment) -> SegmentOutput:
