@@ -7,6 +7,7 @@ import base64
 import io
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -14,7 +15,15 @@ import torch
 from ninfer_core.engine.api import EngineError
 from ninfer_core.engine.media_side import segment_side
 from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment, SideInputs, check_batch
-from ninfer_core.media.api import IMAGE, Expansion, MediaPrompt, MediaProcessor, MediaRef, MediaSpan, PreparedMedia
+from ninfer_core.media.api import (
+    IMAGE,
+    Expansion,
+    MediaProcessor,
+    MediaPrompt,
+    MediaRef,
+    MediaSpan,
+    PreparedMedia,
+)
 from ninfer_core.media.cache import MediaCache
 from ninfer_core.media.decode import decode_image
 from ninfer_core.media.options import MediaOptions, add_media_arguments, media_options_from_args
@@ -96,7 +105,7 @@ def test_cache_failures_are_shared_and_not_kept():
 
     with pytest.raises(EngineError):
         cache.get_or_build("x", bad)
-    item, how = cache.get_or_build("x", lambda: _item("x", 10))
+    _, how = cache.get_or_build("x", lambda: _item("x", 10))
     assert how == "miss" and cache.snapshot()["items"] == 0  # capacity 0 retains nothing
 
 
@@ -132,7 +141,7 @@ def test_check_batch_takes_identity_ids_only_under_embeddings():
 
 
 class _Processor(MediaProcessor):
-    placeholder_ids = {IMAGE: 7}
+    placeholder_ids: ClassVar[dict] = {IMAGE: 7}
 
     def prepare_image(self, image, max_merged):
         return torch.zeros(4, 3), (1, 2, 2), min(3, max_merged)
@@ -179,3 +188,91 @@ def test_options():
         media_options_from_args(p.parse_args(["--vision-residency", "cpu"]))
     with pytest.raises(ValueError, match="conflicts"):
         media_options_from_args(p.parse_args(["--vision-cpu", "--vision-residency", "resident"]))
+
+
+def test_live_budget_counts_payloads_until_their_last_reference():
+    import gc
+
+    from ninfer_core.media.cache import LiveBudget
+
+    live = LiveBudget(250)
+    cache = MediaCache(capacity_bytes=0, live=live)  # nothing retained: requests hold the payloads
+    a, _ = cache.get_or_build("a", lambda: _item("a", 100))
+    held = cache.get_or_build("b", lambda: _item("b", 100))
+    assert live.used == 200 and held[0].nbytes == 100
+    with pytest.raises(EngineError) as e:
+        cache.get_or_build("c", lambda: _item("c", 100))
+    assert e.value.code == "media_budget_exceeded"
+    del a
+    gc.collect()
+    assert live.used == 100
+    again = cache.get_or_build("c", lambda: _item("c", 100))
+    assert live.used == 200 and again[1] == "miss"
+    # retained payloads give their bytes back when a new build needs them (LRU first)
+    live2 = LiveBudget(250)
+    kept = MediaCache(capacity_bytes=1000, live=live2)
+    kept.get_or_build("x", lambda: _item("x", 100))
+    kept.get_or_build("y", lambda: _item("y", 100))
+    kept.get_or_build("z", lambda: _item("z", 100))
+    assert live2.used == 200 and kept.snapshot()["items"] == 2 and kept.get_or_build("y", lambda: None)[1] == "hit"
+
+
+class _Encoder:
+    name = "resident"
+
+    def __init__(self):
+        self.encoded = 0
+
+    def encode(self, item):
+        self.encoded += 1
+        return torch.zeros(item.tokens, 8)
+
+    def describe(self):
+        return {"residency": self.name}
+
+
+def test_engine_encodes_on_first_use_and_releases_payloads():
+    """A toy engine: the media lane's prefill (in chunks of 4 across the image) asks for the item's
+    rows once, and after the requests end no payload is held past the cache."""
+    import gc
+
+    from ninfer_core.config import EngineOptions
+    from ninfer_core.engine.api import GenerationRequest, SamplingParams
+    from ninfer_core.engine.engine import Engine
+    from ninfer_core.testing import ToyRunner, ToyTokenizer, collect, run_async
+
+    runner, vision = ToyRunner(), _Encoder()
+    eng = Engine(runner, ToyTokenizer(), EngineOptions(max_context=512, prefill_chunk=4), vision=vision)
+    eng.start()
+    svc = MediaService(_Processor(), MediaOptions(vision=True, cache_mib=0), vocab_size=runner.info.vocab_size,
+                       source_limit_bytes=1 << 20)
+    uri = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    try:
+        async def one(prompt):
+            ids, media = svc.expand_prompt(prompt, [MediaRef(IMAGE, uri)])
+            req = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(greedy=True, temperature=0.0),
+                                    max_tokens=2, media=media)
+            out = await collect(eng.submit(req))
+            return out.finish
+
+        first = run_async(one([1, 2, 7, 3, 4, 5, 6, 8]))
+        assert first.timings["vision_encodes"] == 1 and first.timings["media_n"] == 1 and vision.encoded == 1
+        again = run_async(one([1, 2, 7, 3, 4, 5, 6, 8]))  # (reuse over media: tests/e2e/test_e2e_vision.py)
+        assert again.usage.prompt_tokens == first.usage.prompt_tokens == 10
+        del first, again
+        gc.collect()
+        assert svc.live.used == 0  # --media-cache-mib 0: nothing retained once the requests ended
+        plain = Engine(ToyRunner(), ToyTokenizer(), EngineOptions(max_context=512))
+        with pytest.raises(EngineError) as e:
+            run_async(_submit_on(plain, svc, uri))
+        assert e.value.code == "vision_disabled"
+    finally:
+        eng.shutdown()
+        svc.shutdown()
+
+
+async def _submit_on(engine, svc, uri):
+    from ninfer_core.engine.api import GenerationRequest
+
+    ids, media = svc.expand_prompt([1, 7, 2], [MediaRef(IMAGE, uri)])
+    engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=1, media=media))

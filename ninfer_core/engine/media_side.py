@@ -8,7 +8,8 @@ reused from the context cache never asks for the rows it covers, so its media is
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ninfer_core.engine.model_api import SideInputs
 

@@ -162,6 +162,9 @@ class RoundDriver:
                     s.drafter = LaneDrafter(self.ngram, self.archive, getattr(s.request, "draft_session", None))
                     s.drafter.extend(s.prompt_ids + s.output_ids)
                 got, src = s.drafter.propose(allowed)
+                if got and s.request.media is not None:  # a copy may run into media identity ids
+                    vocab = self.engine.runner.info.vocab_size
+                    got = got[: next((k for k, t in enumerate(got) if t >= vocab), len(got))]
                 if got:
                     drafts[i], sources[i] = got, src
                     continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 IMAGE, VIDEO = "image", "video"
 DETAILS = ("auto", "low", "high")
@@ -114,7 +114,7 @@ class MediaProcessor(ABC):
     """A family's preprocessing: decoded pixels -> patch input, placeholders -> media tokens."""
 
     # placeholder token ids the chat template writes, one per media part: {IMAGE: id, VIDEO: id}
-    placeholder_ids: dict[str, int] = {}
+    placeholder_ids: ClassVar[dict[str, int]] = {}
     # the most merged tokens one item may take (the tower's envelope); `--vision-max-merged` caps it
     max_merged_limit: int = 16384
     video_fps: float = 2.0
@@ -158,7 +158,7 @@ class VisionResidency(ABC):
 
     @classmethod
     @abstractmethod
-    def load(cls, family: Any, artifact: Any, runner: Any, options: Any) -> "VisionResidency":
+    def load(cls, family: Any, artifact: Any, runner: Any, options: Any) -> VisionResidency:
         """Build the tower for this residency."""
 
     @abstractmethod

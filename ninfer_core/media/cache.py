@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
+from ninfer_core.engine.api import EngineError
 from ninfer_core.media.api import PreparedMedia
 
 
 class MediaCache:
-    def __init__(self, capacity_bytes: int):
+    """`live` (a LiveBudget) accounts every payload object from its build until the last
+    reference (cache, request, engine) is gone; a build that cannot fit after evicting the LRU
+    retention fails with media_budget_exceeded."""
+
+    def __init__(self, capacity_bytes: int, live: LiveBudget | None = None):
         self.capacity = max(0, int(capacity_bytes))
+        self.live = live
         self._lock = threading.Lock()
         self._items: collections.OrderedDict[str, PreparedMedia] = collections.OrderedDict()
         self._building: dict[str, Future] = {}
@@ -45,6 +52,7 @@ class MediaCache:
             return fut.result(), "single_flight"
         try:
             item = build()
+            self._account(item)
         except BaseException as e:
             with self._lock:
                 self._building.pop(key, None)
@@ -55,6 +63,22 @@ class MediaCache:
             self._insert(key, item)
         fut.set_result(item)
         return item, "miss"
+
+    def _account(self, item: PreparedMedia) -> None:
+        live, n = self.live, item.nbytes
+        if live is None:
+            return
+        while not live.take(n):
+            with self._lock:
+                if not self._items:
+                    raise EngineError(400, "media_budget_exceeded", f"A prepared media item of {n} bytes does not "
+                                      f"fit the live media budget ({live.used} of {live.capacity} bytes held by "
+                                      "running requests; --media-live-mib).")
+                _, old = self._items.popitem(last=False)  # its bytes return once no request holds it
+                self.bytes -= old.nbytes
+                self.evictions += 1
+            del old
+        weakref.finalize(item, live.give, n)
 
     def _insert(self, key: str, item: PreparedMedia) -> None:
         if item.nbytes > self.capacity:

@@ -17,13 +17,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer_core.engine.api import EngineError
-from ninfer_core.media.api import IDENTITY_SPACE, IMAGE, VIDEO, MediaPrompt, MediaProcessor, MediaRef, PreparedMedia
+from ninfer_core.media.api import (
+    IDENTITY_SPACE,
+    IMAGE,
+    VIDEO,
+    MediaProcessor,
+    MediaPrompt,
+    MediaRef,
+    PreparedMedia,
+)
 from ninfer_core.media.cache import LiveBudget, MediaCache
 from ninfer_core.media.decode import decode_image, decode_video
 from ninfer_core.media.options import LOW_DETAIL_MERGED, MediaOptions
 from ninfer_core.media.sources import acquire
 
 MEDIA_KEY = "media"
+VISION_ENVELOPE = 32768  # spec "Multimodal request": merged tokens of one request's media
 
 
 def strip_media(messages: list[dict]) -> tuple[list[dict], list[MediaRef]]:
@@ -85,8 +94,8 @@ class MediaService:
         self.vocab_size = vocab_size
         self.source_limit = source_limit_bytes
         self.max_merged = min(options.merged_bound(), processor.max_merged_limit)
-        self.cache = MediaCache(options.cache_mib << 20)
         self.live = LiveBudget(options.live_mib << 20)
+        self.cache = MediaCache(options.cache_mib << 20, self.live)
         threads = options.preprocess_threads or min(16, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ninfer-media")
 
@@ -157,6 +166,10 @@ class MediaService:
         if payload > self.live.capacity:
             raise EngineError(400, "media_budget_exceeded", f"The request's prepared media take {payload} bytes, "
                               f"above --media-live-mib ({self.live.capacity >> 20} MiB).", param="messages")
+        merged = sum(i.tokens for i in items)
+        if merged > VISION_ENVELOPE:
+            raise EngineError(400, "media_budget_exceeded", f"The request's media take {merged} merged tokens, above "
+                              f"the vision envelope of {VISION_ENVELOPE}.", param="messages")
         exp = self.processor.expand(ids, items)
         out = list(exp.ids)
         for span in exp.spans:

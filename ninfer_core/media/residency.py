@@ -24,7 +24,7 @@ class ResidentResidency(VisionResidency):
         self.tower = tower
 
     @classmethod
-    def load(cls, family, artifact, runner, options) -> "ResidentResidency":
+    def load(cls, family, artifact, runner, options) -> ResidentResidency:
         return cls(family.vision_tower(artifact, str(runner.device), getattr(runner, "dtype", None)))
 
     def encode(self, item: PreparedMedia):
@@ -44,7 +44,7 @@ class CpuResidency(VisionResidency):
         self._one = threading.Lock()
 
     @classmethod
-    def load(cls, family, artifact, runner, options) -> "CpuResidency":
+    def load(cls, family, artifact, runner, options) -> CpuResidency:
         import torch
 
         return cls(family.vision_tower(artifact, "cpu", torch.float32))
@@ -71,7 +71,7 @@ class OverlayResidency(VisionResidency):
         self.windows = 0
 
     @classmethod
-    def load(cls, family, artifact, runner, options) -> "OverlayResidency":
+    def load(cls, family, artifact, runner, options) -> OverlayResidency:
         tower = family.vision_tower(artifact, "cpu", getattr(runner, "dtype", None))
         if not hasattr(tower, "encode_streamed"):
             raise ValueError(f"the {artifact.architecture} vision tower cannot be streamed: use "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import time
 import urllib.parse
 
 from ninfer_core.engine.api import EngineError
@@ -56,24 +57,27 @@ def fetch_url(url: str, limit: int, timeout_s: float, param: str | None) -> tupl
     """(bytes, Content-Type) of an http(s) URL, streamed so a large body stops at the limit."""
     import httpx
 
+    deadline = time.monotonic() + timeout_s
     try:
-        with httpx.Client(timeout=httpx.Timeout(timeout_s), follow_redirects=True, max_redirects=5) as client:
-            with client.stream("GET", url, headers={"Accept": "image/*, video/*"}) as resp:
-                if resp.status_code >= 400:
-                    raise EngineError(502, "media_fetch_failed",
-                                      f"Fetching the media URL failed: the server answered HTTP {resp.status_code}.",
-                                      param=param, type_="server_error")
-                declared = resp.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > limit:
-                    raise too_large("The media at the URL", int(declared), limit, param)
-                chunks, size = [], 0
-                for chunk in resp.iter_bytes():
-                    size += len(chunk)
-                    if size > limit:
-                        raise too_large("The media at the URL", size, limit, param)
-                    chunks.append(chunk)
-                mime = (resp.headers.get("content-type") or "").split(";")[0].strip() or None
-                return b"".join(chunks), mime
+        with httpx.Client(timeout=httpx.Timeout(timeout_s), follow_redirects=True, max_redirects=5) as client, \
+                client.stream("GET", url, headers={"Accept": "image/*, video/*"}) as resp:
+            if resp.status_code >= 400:
+                raise EngineError(502, "media_fetch_failed",
+                                  f"Fetching the media URL failed: the server answered HTTP {resp.status_code}.",
+                                  param=param, type_="server_error")
+            declared = resp.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > limit:
+                raise too_large("The media at the URL", int(declared), limit, param)
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                if time.monotonic() > deadline:  # httpx bounds each read; this bounds the whole fetch
+                    raise httpx.ReadTimeout("the whole fetch took too long")
+                size += len(chunk)
+                if size > limit:
+                    raise too_large("The media at the URL", size, limit, param)
+                chunks.append(chunk)
+            mime = (resp.headers.get("content-type") or "").split(";")[0].strip() or None
+            return b"".join(chunks), mime
     except httpx.TimeoutException:
         raise EngineError(504, "media_fetch_timeout", f"Fetching the media URL took longer than {timeout_s:g} s.",
                           param=param, type_="server_error") from None
@@ -89,7 +93,7 @@ def acquire(url: str, limit: int, timeout_s: float, param: str | None) -> tuple[
     head = url[:8].lower()
     if head.startswith("data:"):
         return decode_data_uri(url, limit, param)
-    if head.startswith("http://") or head.startswith("https://"):
+    if head.startswith(("http://", "https://")):
         return fetch_url(url, limit, timeout_s, param)
     scheme = url.split(":", 1)[0] if ":" in url else ""
     raise invalid_media(f"Media sources must be http(s) URLs or base64 data URIs, not {scheme or 'a bare path'!r}.",

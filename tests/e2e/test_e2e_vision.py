@@ -13,6 +13,8 @@ import base64
 import http.server
 import io
 import threading
+import time
+from typing import ClassVar
 
 import anthropic
 import httpx
@@ -68,9 +70,11 @@ BIG = _gradient(1024, 1024)  # high: 32 x 32 = 1024 tokens; low: 512 x 512 = 256
 
 
 class _Files(http.server.BaseHTTPRequestHandler):
-    files: dict = {}
+    files: ClassVar[dict] = {}
 
-    def do_GET(self):  # noqa: N802 - the stdlib's name
+    def do_GET(self):
+        if self.path == "/slow.png":  # past the server's --media-fetch-timeout-s
+            time.sleep(4)
         body = self.files.get(self.path)
         if body is None:
             self.send_error(404)
@@ -87,7 +91,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def files():
-    _Files.files = {"/img.png": IMG, "/huge.png": b"\x89PNG" + bytes(3 << 20)}
+    _Files.files = {"/img.png": IMG, "/huge.png": b"\x89PNG" + bytes(3 << 20), "/slow.png": IMG}
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -104,7 +108,7 @@ def vl_artifact(tmp_path_factory):
 def vision(vl_artifact, launch, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vision-logs")
     server = launch(vl_artifact, "--vision", "--vision-max-merged", "1024", "--max-context", "4096",
-                    "--max-request-mib", "2", "--request-log-jsonl", str(logs / "requests.jsonl"), log_dir=logs)
+                    "--max-request-mib", "2", "--media-fetch-timeout-s", "1.5", "--request-log-jsonl", str(logs / "requests.jsonl"), log_dir=logs)
     server.request_log = logs / "requests.jsonl"
     yield server
     server.stop()
@@ -252,6 +256,7 @@ def test_media_errors_have_their_codes(vision, files):
     _assert_error(_post_chat(vision, _image_part(files + "/huge.png")), 400, "media_budget_exceeded", p)
     _assert_error(_post_chat(vision, _image_part(files + "/missing.png")), 502, "media_fetch_failed", p)
     _assert_error(_post_chat(vision, _image_part("http://127.0.0.1:9/x.png")), 502, "media_fetch_failed", p)
+    _assert_error(_post_chat(vision, _image_part(files + "/slow.png")), 504, "media_fetch_timeout", p)
     _assert_error(_post_chat(vision, _image_part(data_uri(IMG), "ultra")), 400, "image_detail_not_supported",
                   "messages[0].content[0].image_url.detail")
     # Anthropic's envelope for the same failures
@@ -264,6 +269,11 @@ def test_media_errors_have_their_codes(vision, files):
         "model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AAAA"}}]}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_media"
+    r = httpx.post(vision.base_url + "/v1/messages", timeout=60, json={
+        "model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": files + "/slow.png"}}]}]})
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error", r.text
+    assert r.json()["error"]["code"] == "media_fetch_timeout"
     # the server keeps serving
     with _client(vision) as c:
         got, _ = _chat(c, [_image_part(data_uri(IMG))], max_tokens=1)

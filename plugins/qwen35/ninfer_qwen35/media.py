@@ -12,7 +12,7 @@ after media continues its rope position from the largest position the media used
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

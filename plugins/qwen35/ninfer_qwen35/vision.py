@@ -35,7 +35,7 @@ class VisionConfig:
     rope_theta: float = 10000.0
 
     @classmethod
-    def from_hf(cls, config: dict) -> "VisionConfig":
+    def from_hf(cls, config: dict) -> VisionConfig:
         v = dict(config.get("vision_config") or {})
         rope = v.get("rope_parameters") or {}
         known = {f for f in cls.__dataclass_fields__ if f != "rope_theta"}
