@@ -146,8 +146,9 @@ def test_streamed_encode_equals_the_resident_one(vl, dtype):
 
 
 def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
-    """The fast runner (its torch fallbacks on the CPU) hands segments with side inputs to the
-    reference path: prefill, a verify of three tokens with mRoPE positions, its commit, a decode."""
+    """The fast runner (its torch fallbacks on the CPU) on a media lane: prefill and a verify of
+    three tokens with mRoPE positions through the reference path, its commit, then a decode on the
+    fast path with the lane's rope offset."""
     from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
     from ninfer_core.engine.model_api import VERIFY
@@ -163,7 +164,11 @@ def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
     ids = [10_000 + i if any(s.start <= i < s.end for s in exp.spans) else t for i, t in enumerate(exp.ids)]
     n = len(ids)
     outs = []
+    fast_decodes = []
     for runner in (fam.load(art), GpuQwen35Runner.from_runner(fam.load(art))):
+        if isinstance(runner, GpuQwen35Runner):  # the decode takes the fast path with a rope offset
+            real = runner._decode_segments
+            runner._decode_segments = lambda segs, rope=None, real=real: fast_decodes.append(rope) or real(segs, rope)
         runner.allocate_cache(8, 2)
         tables = {"full_attention": [3, 4, 5, 6]}
         seg = LaneSegment(0, tables, 0, ids, PREFILL, "all", side=segment_side(media, 0, n, lambda it: emb))
@@ -176,3 +181,4 @@ def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
         outs.append((pre, v, d))
     for a, b in zip(*outs):
         assert rel_err(b, a) <= 1e-4
+    assert fast_decodes == [[n + 2 + exp.position_delta]]

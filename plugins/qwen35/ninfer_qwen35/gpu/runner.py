@@ -234,6 +234,9 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         kinds = {s.kind for s in segs}
         if plain and kinds == {DECODE}:
             return self._decode_segments(segs)
+        rope = _decode_rope(segs) if kinds == {DECODE} else None
+        if rope is not None:  # media lanes' decode: text positions, one rope offset per lane
+            return self._decode_segments(segs, rope)
         if plain and VERIFY in kinds and PREFILL not in kinds:
             return self._verify_segments(segs)
         if plain and kinds == {PREFILL}:
@@ -281,18 +284,19 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         self.cache.hidden[s.slot] = hidden[-1]
 
     # ---- decode -----------------------------------------------------------------------------------
-    def _decode_segments(self, segs: list[LaneSegment]) -> list[SegmentOutput]:
+    def _decode_segments(self, segs: list[LaneSegment], rope: list[int] | None = None) -> list[SegmentOutput]:
+        """`rope`: each lane's rope position when it is not the lane's index (media lanes)."""
         rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
         tokens = [int(s.tokens[0]) for s in segs]
         b = len(rows)
         if b <= MAX_GRAPH_BATCH and self.graphs_enabled:
-            self._fill_meta(rows, tokens, self.table_width)
+            self._fill_meta(rows, tokens, self.table_width, rope)
             graph, logits, hidden = self._graph(b)
             graph.replay()
             logits, hidden = logits[:b].clone(), hidden[:b]
         else:
             width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
-            meta = self._build_meta(rows, tokens, width).to(self.device)
+            meta = self._build_meta(rows, tokens, width, rope=rope).to(self.device)
             hidden = self._decode_body(b, meta, width)
             logits = self.model.logits(hidden)
         return [SegmentOutput(logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL
@@ -304,22 +308,26 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         pages = list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values())))
         return Segment(slot=s.slot, pages=pages, start=s.start, length=len(s.tokens), offset=offset, kind=s.kind)
 
-    def _build_meta(self, segs, tokens, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _build_meta(self, segs, tokens, width: int, out: torch.Tensor | None = None,
+                    rope: list[int] | None = None) -> torch.Tensor:
         ps = self.cache.page_size
         rows = []
-        for seg, tok in zip(segs, tokens):
+        for i, (seg, tok) in enumerate(zip(segs, tokens)):
             pos = seg.start
             need = pos // ps + 1
             table = list(seg.pages[:need]) + [self.scratch_page] * (width - need)
-            rows.append([tok, pos, seg.slot, pos + 1, seg.pages[pos // ps], pos % ps, *table])
+            # the position column feeds the rotary tables (and the draft head's rows); the KV write
+            # and the attention length follow the lane's index
+            rows.append([tok, pos if rope is None else rope[i], seg.slot, pos + 1, seg.pages[pos // ps], pos % ps,
+                         *table])
         meta = torch.tensor(rows, dtype=torch.int64)
         if out is not None:
             out[: len(rows)].copy_(meta)
             return out
         return meta
 
-    def _fill_meta(self, segs, tokens, width: int) -> None:
-        self._build_meta(segs, tokens, width, out=self._meta_host)
+    def _fill_meta(self, segs, tokens, width: int, rope: list[int] | None = None) -> None:
+        self._build_meta(segs, tokens, width, out=self._meta_host, rope=rope)
         self._meta.copy_(self._meta_host)
 
     def _graph(self, b: int):
@@ -515,3 +523,23 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             if core is None:
                 core = gdn_prefill(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
         return core
+
+
+def _decode_rope(segs) -> list[int] | None:
+    """Each decode lane's rope position when the side inputs carry positions only and they are
+    one text position (equal on mRoPE's three axes); None when any lane needs the reference path."""
+    out = []
+    for s in segs:
+        if set(s.hidden) - {FINAL_HIDDEN}:
+            return None
+        side = s.side
+        if side is None:
+            out.append(s.start)
+            continue
+        if side.embeddings or side.extras or side.positions is None:
+            return None
+        p = torch.as_tensor(side.positions).reshape(-1)
+        if p.numel() not in (1, 3) or bool((p != p[0]).any()):
+            return None
+        out.append(int(p[0]))
+    return out
