@@ -144,7 +144,8 @@ def main() -> int:
         start = text.find("tower ")
         summary.append(text[start:].strip() if start >= 0 and rc == 0 else text[-4000:])
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            "plugins/qwen35/tests/test_qwen35_vision.py"], os.path.join(a.out, "vision-tests.log"),
+                            "plugins/qwen35/tests/test_qwen35_vision.py", "tests/gpu/test_gpu_vision.py"],
+                           os.path.join(a.out, "vision-tests.log"),
                            max(60, a.budget - (time.monotonic() - t_start) - 30))
         summary.append(f"== vision parity tests rc={rc} in {dt:.0f} s")
         summary.extend(ln[ln.find("PARITY"):] if "PARITY" in ln else ln for ln in text.splitlines()
