@@ -19,6 +19,7 @@ def load_vision(ctx: Any, family: Any, artifact: Any, runner: Any, vocab_size: i
                 tokenizer: Any = None) -> tuple[Any, MediaService]:
     """(the loaded VisionResidency, the MediaService) for a server started with --vision."""
     opts = ctx.options.media
+    reg = ctx.plugins.resolve("vision_residency", opts.residency)  # an unknown name lists the others
     if "vision" not in (getattr(artifact, "components", None) or []):
         raise VisionLoadError("--vision needs an artifact with a vision tower (component 'vision'); this one has "
                               f"{', '.join(artifact.components or []) or 'none'}: convert the checkpoint with its "
@@ -28,7 +29,6 @@ def load_vision(ctx: Any, family: Any, artifact: Any, runner: Any, vocab_size: i
         raise VisionLoadError(f"the {artifact.architecture} family reads no media")
     if tokenizer is not None and hasattr(processor, "encode_text"):  # text the expansion writes (video times)
         processor.encode_text = lambda text: tokenizer.encode(text, allow_special=False)
-    reg = ctx.plugins.resolve("vision_residency", opts.residency)
     target = reg.load()
     residency = target.load(family, artifact, runner, ctx.options.plugin_options)
     service = MediaService(processor, opts, vocab_size, ctx.options.max_request_mib << 20)

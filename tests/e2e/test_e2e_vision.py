@@ -330,3 +330,57 @@ def test_request_log_records_media(vision):
     assert last_two[0]["digests"] == last_two[1]["digests"]
     done = [r for r in records if r["event"] == "request_done"][-1]
     assert done["timings_seconds"]["vision"] == 0.0  # the second one reused the first one's prefix
+
+
+def test_responses_images_in_messages_tool_results_and_chains(vision, files):
+    with _client(vision) as c:
+        model = _model(vision)
+        first = c.responses.create(model=model, max_output_tokens=4, reasoning={"effort": "none"}, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "What is it?"},
+                                         {"type": "input_image", "image_url": files + "/img.png", "detail": "auto"}]}])
+        text_only = c.responses.input_tokens.count(model=model, reasoning={"effort": "none"}, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "What is it?"}]}])
+        assert first.usage.input_tokens - text_only.input_tokens == 2 + 70
+        # a chained turn: the stored URL is fetched again, the prefix (image included) is reused
+        second = c.responses.create(model=model, max_output_tokens=4, previous_response_id=first.id,
+                                    reasoning={"effort": "none"}, input="And the colours?")
+        assert second.usage.input_tokens_details.cached_tokens > 70
+        # a function_call_output carrying an image
+        call = {"type": "function_call", "call_id": "c1", "name": "photo", "arguments": "{}"}
+        out = {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "here"}, {"type": "input_image", "image_url": data_uri(IMG)}]}
+        tools = [{"type": "function", "name": "photo", "parameters": {"type": "object", "properties": {}}}]
+        with_image = c.responses.input_tokens.count(model=model, tools=tools, input=[
+            {"role": "user", "content": "Take a photo."}, call, out])
+        out["output"] = [{"type": "input_text", "text": "here"}]
+        without = c.responses.input_tokens.count(model=model, tools=tools, input=[
+            {"role": "user", "content": "Take a photo."}, call, out])
+        assert with_image.input_tokens - without.input_tokens == 2 + 70
+
+
+def test_chat_tool_result_image_counts(vision):
+    with _client(vision) as c:
+        tools = [{"type": "function", "function": {"name": "photo", "parameters": {"type": "object"}}}]
+        history = [{"role": "user", "content": "Take a photo."},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "t1", "type": "function", "function": {"name": "photo", "arguments": "{}"}}]}]
+
+        def count(content):
+            r = c.chat.completions.create(model="", max_tokens=0, tools=tools, messages=[
+                *history, {"role": "tool", "tool_call_id": "t1", "content": content}])
+            return r.usage.prompt_tokens
+
+        assert count([{"type": "text", "text": "done"}, _image_part(data_uri(IMG))]) - count("done") == 2 + 70
+        # media in a system message has no place in the prompt
+        r = httpx.post(vision.api_base + "/chat/completions", timeout=60, json={"model": "", "max_tokens": 1,
+                       "messages": [{"role": "system", "content": [_image_part(data_uri(IMG))]},
+                                    {"role": "user", "content": "hi"}]})
+        _assert_error(r, 400, "invalid_value", "messages[0].content[0].type")
+
+
+def test_vision_startup_refusals(tiny_artifact, launch, tmp_path):
+    for flags, why in ((("--vision",), "needs an artifact with a vision tower"),
+                       (("--vision", "--vision-residency", "elsewhere"), "unknown vision residency 'elsewhere'")):
+        with pytest.raises(RuntimeError) as e:
+            launch(tiny_artifact, *flags, log_dir=tmp_path, timeout=120)
+        assert why in str(e.value)
