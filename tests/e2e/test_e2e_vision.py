@@ -83,7 +83,10 @@ class _Files(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "image/png" if self.path.endswith(".png") else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the server gave up on it (too large, too slow)
+            pass
 
     def log_message(self, *args):
         pass
@@ -274,6 +277,18 @@ def test_media_errors_have_their_codes(vision, files):
             {"type": "image", "source": {"type": "url", "url": files + "/slow.png"}}]}]})
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error", r.text
     assert r.json()["error"]["code"] == "media_fetch_timeout"
+    # each is a counted preparation rejection, with its request-log record
+    import json
+
+    metrics = httpx.get(vision.base_url + "/metrics", timeout=30).text
+    rejected = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("ninfer:requests_rejected_total"))
+    assert rejected >= 11
+    codes = [r.get("code") for r in map(json.loads, vision.request_log.read_text().splitlines())
+             if r["event"] == "request_rejected"]
+    for code in ("invalid_media", "media_budget_exceeded", "media_fetch_failed", "media_fetch_timeout",
+                 "image_detail_not_supported"):
+        assert code in codes, code
     # the server keeps serving
     with _client(vision) as c:
         got, _ = _chat(c, [_image_part(data_uri(IMG))], max_tokens=1)
