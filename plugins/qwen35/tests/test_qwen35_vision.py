@@ -146,9 +146,9 @@ def test_streamed_encode_equals_the_resident_one(vl, dtype):
 
 
 def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
-    """The fast runner (its torch fallbacks on the CPU) on a media lane: prefill and a verify of
-    three tokens with mRoPE positions through the reference path, its commit, then a decode on the
-    fast path with the lane's rope offset."""
+    """The fast runner (its torch fallbacks on the CPU) on a media lane: the prefill unit with the
+    image and a verify of three tokens through the reference path, its commit; a text-only prefill
+    unit after the image and a decode on the fast path with the lane's rope offset."""
     from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
     from ninfer_core.engine.model_api import VERIFY
@@ -164,15 +164,20 @@ def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
     ids = [10_000 + i if any(s.start <= i < s.end for s in exp.spans) else t for i, t in enumerate(exp.ids)]
     n = len(ids)
     outs = []
-    fast_decodes = []
+    fast_decodes, fast_prefills = [], []
     for runner in (fam.load(art), GpuQwen35Runner.from_runner(fam.load(art))):
-        if isinstance(runner, GpuQwen35Runner):  # the decode takes the fast path with a rope offset
+        if isinstance(runner, GpuQwen35Runner):  # text-only units take the fast path with a rope offset
             real = runner._decode_segments
             runner._decode_segments = lambda segs, rope=None, real=real: fast_decodes.append(rope) or real(segs, rope)
+            real_prefill = runner._prefill_segment
+            runner._prefill_segment = lambda s, o=0, real=real_prefill: fast_prefills.append(o) or real(s, o)
         runner.allocate_cache(8, 2)
         tables = {"full_attention": [3, 4, 5, 6]}
-        seg = LaneSegment(0, tables, 0, ids, PREFILL, "all", side=segment_side(media, 0, n, lambda it: emb))
-        pre = runner.forward(ForwardBatch([seg]))[0].logits
+        head = n - 3  # the image and what precedes it; then three text tokens in a unit of their own
+        seg = LaneSegment(0, tables, 0, ids[:head], PREFILL, "all",
+                          side=segment_side(media, 0, head, lambda it, e=emb: e))
+        tail = LaneSegment(0, tables, head, ids[head:], PREFILL, "all", side=segment_side(media, head, 3, None))
+        pre = torch.cat([runner.forward(ForwardBatch([seg]))[0].logits, runner.forward(ForwardBatch([tail]))[0].logits])
         ver = LaneSegment(0, tables, n, [60, 61, 62], VERIFY, "all", side=segment_side(media, n, 3, None))
         v = runner.forward(ForwardBatch([ver]))[0].logits
         runner.commit([(0, 2)])
@@ -181,4 +186,4 @@ def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
         outs.append((pre, v, d))
     for a, b in zip(*outs):
         assert rel_err(b, a) <= 1e-4
-    assert fast_decodes == [[n + 2 + exp.position_delta]]
+    assert fast_decodes == [[n + 2 + exp.position_delta]] and fast_prefills == [exp.position_delta]

@@ -241,6 +241,10 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             return self._verify_segments(segs)
         if plain and kinds == {PREFILL}:
             return [self._prefill_segment(s) for s in segs]
+        if kinds == {PREFILL}:  # a media lane's text-only chunk: the fast path with its rope offset
+            offsets = [_text_rope_offset(s) for s in segs]
+            if all(o is not None for o in offsets):
+                return [self._prefill_segment(s, o) for s, o in zip(segs, offsets)]
         if VERIFY in kinds and PREFILL not in kinds and all(set(s.hidden) <= {FINAL_HIDDEN} for s in segs):
             # side inputs (a media lane's mRoPE positions): the reference verify over the same caches;
             # `commit` finishes it the reference way
@@ -250,11 +254,11 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             raise NotImplementedError("a verify batch with hidden layers or prefill segments")
         return super().forward(batch)  # side inputs / layer outputs: the reference path (same caches)
 
-    def _prefill_segment(self, s: LaneSegment) -> SegmentOutput:
+    def _prefill_segment(self, s: LaneSegment, rope_offset: int = 0) -> SegmentOutput:
         seg = Segment(slot=s.slot, pages=list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values()))),
                       start=s.start, length=len(s.tokens), offset=0)
         ids = torch.tensor([int(t) for t in s.tokens], dtype=torch.int64, device=self.device)
-        hidden = self._prefill_body(seg, ids, snap=s.snapshot)
+        hidden = self._prefill_body(seg, ids, snap=s.snapshot, rope_offset=rope_offset)
         if self.draft is not None:
             self._prefill_ride_along(s, ids, hidden)
         return self._output(s, hidden)
@@ -469,7 +473,9 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared)
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None) -> torch.Tensor:
+    def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None,
+                      rope_offset: int = 0) -> torch.Tensor:
+        """`rope_offset`: the rope positions are the indices plus this (text after a media lane's media)."""
         model, cache, ps = self.model, self.cache, self.cache.page_size
         t = ids.shape[0]
         pos = torch.arange(seg.start, seg.start + t, device=self.device)
@@ -477,7 +483,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         pages = torch.tensor(seg.pages[:need], dtype=torch.int32, device=self.device)
         wpage, wrow = pages[pos // ps].long(), pos % ps
         x = model.embed_tokens(ids)
-        cos, sin = model.rotary.cos_sin(pos, x.dtype)
+        cos, sin = model.rotary.cos_sin(pos + rope_offset if rope_offset else pos, x.dtype)
 
         def mixer(i, layer, h):
             if layer.layer_type == "linear_attention":
@@ -543,3 +549,22 @@ def _decode_rope(segs) -> list[int] | None:
             return None
         out.append(int(p[0]))
     return out
+
+
+def _text_rope_offset(s) -> int | None:
+    """The rope offset of a segment whose side inputs are text positions only (equal on the three
+    mRoPE axes and consecutive): position - index; 0 without side inputs; None otherwise."""
+    if set(s.hidden) - {FINAL_HIDDEN}:
+        return None
+    side = s.side
+    if side is None:
+        return 0
+    if side.embeddings or side.extras or side.positions is None:
+        return None
+    p = torch.as_tensor(side.positions)
+    p = p if p.dim() == 2 else p[None]
+    first = int(p[0, 0])
+    want = torch.arange(first, first + p.shape[-1], dtype=p.dtype)
+    if not bool((p == want).all()):
+        return None
+    return first - s.start
