@@ -260,6 +260,7 @@ def test_engine_encodes_on_first_use_and_releases_payloads():
         again = run_async(one([1, 2, 7, 3, 4, 5, 6, 8]))  # (reuse over media: tests/e2e/test_e2e_vision.py)
         assert again.usage.prompt_tokens == first.usage.prompt_tokens == 10
         del first, again
+        eng.shutdown()  # the worker's last-iteration locals go with its thread
         gc.collect()
         assert svc.live.used == 0  # --media-cache-mib 0: nothing retained once the requests ended
         plain = Engine(ToyRunner(), ToyTokenizer(), EngineOptions(max_context=512))
