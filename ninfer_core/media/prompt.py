@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class MediaService:
     """Everything a server needs to turn media parts into a MediaPrompt (one per loaded model)."""
 
     def __init__(self, processor: MediaProcessor, options: MediaOptions, vocab_size: int,
-                 source_limit_bytes: int):
+                 source_limit_bytes: int, permit_timeout_s: float = 600.0):
         self.processor = processor
         self.options = options
         self.vocab_size = vocab_size
@@ -96,6 +97,10 @@ class MediaService:
         self.max_merged = min(options.merged_bound(), processor.max_merged_limit)
         self.live = LiveBudget(options.live_mib << 20)
         self.cache = MediaCache(options.cache_mib << 20, self.live)
+        # spec "Execution behavior": media requests share one preparation permit (their items still
+        # prepare concurrently on the pool), waited for within the pending timeout
+        self._permit = threading.Semaphore(1)
+        self.permit_timeout_s = permit_timeout_s
         threads = options.preprocess_threads or min(16, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ninfer-media")
 
@@ -143,10 +148,14 @@ class MediaService:
             raise EngineError(400, "media_budget_exceeded", f"The request's media hold about {total * 3 // 4} "
                               f"bytes, above the media source budget of {self.source_limit} bytes.",
                               param=refs[0].param if refs else None)
-        futures = [self._pool.submit(self._prepare, ref, report) for ref in refs]
-        items = []
-        for fut in futures:
-            items.append(fut.result())
+        if not self._permit.acquire(timeout=self.permit_timeout_s):
+            raise EngineError(503, "request_queue_timeout", "The media preparation permit was not free before the "
+                              "pending timeout (--pending-timeout-ms).")
+        try:
+            futures = [self._pool.submit(self._prepare, ref, report) for ref in refs]
+            items = [fut.result() for fut in futures]
+        finally:
+            self._permit.release()
         report.items = len(items)
         report.payload_bytes = sum(i.nbytes for i in items)
         return items
