@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer_core.media.options import media_options_from_args
+
 # The argparse side lives in serve_options; these names stay importable from here.
 from ninfer_core.serve_options import (  # noqa: F401
     EFFORT_VALUES,
@@ -188,6 +190,7 @@ class ServeOptions:
     # Pipeline stages (ninfer_core.engine.pipeline): one stage per device, layers per stage or None
     devices: list[str] | None = None
     stage_layers: list[int] | None = None
+    media: Any = None  # ninfer_core.media.options.MediaOptions (None: vision off)
 
 
 def _comma_list(s: str) -> list[str]:
@@ -274,6 +277,7 @@ def options_from_args(a: argparse.Namespace) -> ServeOptions:
         **structured_options_from_args(a),
         **client_options_from_args(a),
         devices=devices, stage_layers=stage_layers,
+        media=media_options_from_args(a),
     )
 
 

@@ -58,7 +58,13 @@ def ninfer_register_kv_dtypes(register):
 
 @hookspec
 def ninfer_register_vision_residencies(register):
-    """Register vision-tower residencies: `register(name, target)`; `--vision-residency NAME` picks one."""
+    """Register vision-tower residencies: `register(name, target)`; `--vision-residency NAME` picks one.
+
+    `target` is "module:Class" of a `ninfer_core.media.api.VisionResidency`; with `--vision` the
+    server calls its `load(family, artifact, runner, options)` once after the runner is built, and
+    the engine calls `encode(item)` on its worker for every media item a prefill needs. resident
+    and cpu are built in and registered through this same hook.
+    """
 
 
 @hookspec

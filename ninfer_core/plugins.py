@@ -32,6 +32,7 @@ GROUP = "ninfer"
 DEFAULT_PLUGINS: list[tuple[str, str]] = [
     ("kv_bf16", "ninfer_core.engine.kv_bf16"),
     ("kv_quant", "ninfer_core.quant.kv"),
+    ("vision_residencies", "ninfer_core.media.residency"),
     ("ops", "ninfer_core.protocols.ops"),
     ("context_cache", "ninfer_core.engine.cache"),
     ("slots", "ninfer_core.protocols.slots"),

@@ -211,6 +211,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_llamacpp_arguments(p)
     add_structured_arguments(p)
     add_client_arguments(p)
+    from ninfer_core.media.options import add_media_arguments
+
+    add_media_arguments(p)
     from ninfer_core.router.options import add_router_arguments
 
     add_router_arguments(p)

@@ -210,8 +210,10 @@ class ToyRunner(ModelRunner):
         outs = []
         for seg, view in zip(segs, views):
             rows, hist = [], []
+            # media rows (identity ids past the vocabulary under side embeddings) fold into it
+            covered = seg.side.covered_rows() if seg.side is not None and seg.side.embeddings else ()
             for i, t in enumerate(seg.tokens):
-                self._step(view, seg.start + i, int(t))
+                self._step(view, seg.start + i, int(t) % self.info.vocab_size if i in covered else int(t))
                 if seg.kind == VERIFY:
                     hist.append(self.state[seg.slot].clone())
                 if seg.snapshot is not None and i + 1 == seg.snapshot[0]:

@@ -7,6 +7,11 @@ into PYTHONPATH first; see docs/bench.md):
 
     python3 scripts/gpu_check.py --out $OUT --bench qwen3.5-9b qwen3.5-27b
 
+Vision (issue 20): `--order vision --tests --bench` runs scripts/vision_bench.py (encode time per
+512x512 image and per video second for the resident, overlay and cpu residencies at the Qwen3.5-27B
+tower shape, the device memory each holds, bf16 against transformers' fp32) and the tower's
+parity tests.
+
 Gemma 4 (issue 16): `--order gemma4 --bench` runs plugins/gemma4's CUDA checks (the Triton
 sliding-window attention in bf16 at the real head geometry; the runner in bf16 against
 transformers at the 31B and 26B-A4B widths, within 1e-2).
@@ -71,6 +76,8 @@ def main() -> int:
                     help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
     ap.add_argument("--quant-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b"],
                     help="shapes of the quantisation part (--order quant)")
+    ap.add_argument("--vision-args", default="--shape 27b", help="arguments of scripts/vision_bench.py "
+                    "(--order ...,vision)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--pipeline-args", default="", help="extra arguments for scripts/pipeline_check.py")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
@@ -231,8 +238,25 @@ def main() -> int:
                        "int8 9B > 434 tok/s, KV int8 ~2x tokens)")
         summary.extend(rows)
 
+
+    def part_vision():
+        left = a.budget - (time.monotonic() - t_start)
+        rc, dt, text = run([sys.executable, "scripts/vision_bench.py", *a.vision_args.split()],
+                           os.path.join(a.out, "vision.log"), max(60, left - 30))
+        summary.append(f"== vision tower rc={rc} in {dt:.0f} s")
+        start = text.find("tower ")
+        summary.append(text[start:].strip() if start >= 0 and rc == 0 else text[-4000:])
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            "plugins/qwen35/tests/test_qwen35_vision.py", "tests/gpu/test_gpu_vision.py"],
+                           os.path.join(a.out, "vision-tests.log"),
+                           max(60, a.budget - (time.monotonic() - t_start) - 30))
+        summary.append(f"== vision parity tests rc={rc} in {dt:.0f} s")
+        summary.extend(ln[ln.find("PARITY"):] if "PARITY" in ln else ln for ln in text.splitlines()
+                       if "PARITY" in ln or " passed" in ln or " failed" in ln)
+
     parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4,
-             "dflash": part_dflash, "pipeline": part_pipeline, "flash_next": part_flash_next, "quant": part_quant}
+             "dflash": part_dflash, "pipeline": part_pipeline, "flash_next": part_flash_next, "quant": part_quant,
+             "vision": part_vision}
     for name in a.order.split(","):
         parts[name.strip()]()
 

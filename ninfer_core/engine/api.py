@@ -76,6 +76,10 @@ class GenerationRequest:
     # tokens are generated (C/B/R rules); with `post_thinking` it switches the sampler after the close.
     in_reasoning: bool = False
     think_end_ids: list[int] = field(default_factory=list)
+    # Media (ninfer_core.media.api.MediaPrompt): spans of media rows in prompt_ids (identity ids),
+    # rope positions; the engine encodes an item through its vision residency when a prefill
+    # unit first needs its rows. None: a text-only prompt.
+    media: Any = None
     thinking_budget: int | None = None
     budget_close_ids: list[int] = field(default_factory=list)
     post_thinking: SamplingParams | None = None

@@ -25,6 +25,7 @@ from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.cache_lease import build_page_leases, lease_window_tokens
 from ninfer_core.engine.detok import OutputText
+from ninfer_core.engine.media_side import segment_side
 from ninfer_core.engine.model_api import (
     PAGE_SIZE,
     PREFILL,
@@ -81,8 +82,9 @@ class Engine:
     """Serves GenerationRequests on one ModelRunner; see `ninfer_core.engine.api.EngineClient`."""
 
     def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions, spec=None,
-                 prefix_cache=build_context_cache, kv_dtype=None):
-        """`spec`: a loaded `ninfer_core.engine.spec.SpecBackend` (`--spec`), or None.
+                 prefix_cache=build_context_cache, kv_dtype=None, vision=None):
+        """`spec`: a loaded `ninfer_core.engine.spec.SpecBackend` (`--spec`), or None; `vision`: a
+        loaded `ninfer_core.media.api.VisionResidency` (`--vision`), or None.
 
         `prefix_cache`: the builder a `ninfer_register_prefix_caches` registration names,
         `(runner, pages, options, state_bytes, page_size) -> cache or None`; None serves every
@@ -91,6 +93,9 @@ class Engine:
         if not 1 <= options.max_concurrency <= 8:
             raise ValueError(f"max_concurrency must be in 1..8, got {options.max_concurrency}")
         self.runner = runner
+        self.vision = vision
+        # media encodes run on the worker before the prefill unit needing them (snapshot "vision")
+        self.vision_counters = {"encodes": 0, "encoded_tokens": 0, "encode_seconds": 0.0}
         self.tokenizer = tokenizer
         self.options = options
         self.spec = spec
@@ -192,6 +197,9 @@ class Engine:
         """Queue a request; raises EngineError for a prompt that can never run (400) or a full
         capacity (429). Call from inside the asyncio loop that will read the events."""
         loop = asyncio.get_running_loop()
+        if request.media is not None and self.vision is None:
+            raise EngineError(400, "vision_disabled", "This server was started without --vision; image and video "
+                              "input is not accepted.")
         budget = self.budget.resolve(len(request.prompt_ids), request.max_tokens)
         request_id = request.request_id or uuid.uuid4().hex
         sampler = SamplerState.create(request.sampling, force_greedy=self.options.greedy,
@@ -258,6 +266,7 @@ class Engine:
                 "pages_in_lanes": len({p for q in s.lanes for p in q.pages}),
                 "context_cache": self.cache.snapshot() if self.cache is not None else None,
                 "speculative": self.rounds.describe(),
+                "vision": dict(self.vision_counters, residency=self.vision.name) if self.vision is not None else None,
                 "failed": self.recovery.failure,
                 # the family's own counter blocks (GET /stats shows each under its name)
                 "model": self._model_counters(),
@@ -510,6 +519,9 @@ class Engine:
                               snapshot=None if snap is None else (snap[0] - start, snap[1]))
         t0 = time.monotonic()
         try:
+            if seq.request.media is not None:
+                segment.side = segment_side(seq.request.media, start, len(chunk),
+                                            lambda item: self._media_rows(seq, item))
             out = self.runner.forward(ForwardBatch([segment]))[0]
             logits = out.logits
             self._launches += 1
@@ -533,6 +545,8 @@ class Engine:
             return
         self.rounds.observed(seq, start, out.hidden)
         seq.num_cached += len(chunk)
+        if last:
+            seq.media_embeds = None  # the prompt is in the KV: its media embeddings are done with
         with self._cv:
             self.counters["computed_prefill_tokens"] += len(chunk)
             self.counters["prefill_seconds"] += time.monotonic() - t0
@@ -553,6 +567,25 @@ class Engine:
             return
         seq.status = SeqStatus.DECODE
         self._commit(seq, token, record)
+
+    def _media_rows(self, seq: Sequence, item):
+        """An item's embeddings [tokens, hidden], encoded by the vision residency on first use."""
+        got = seq.media_embeds if seq.media_embeds is not None else {}
+        seq.media_embeds = got
+        k = id(item)
+        if k not in got:
+            if self.vision is None:
+                raise EngineError(400, "vision_disabled", "This server was started without --vision.")
+            t0 = time.monotonic()
+            got[k] = self.vision.encode(item)
+            with self._cv:
+                c = self.vision_counters
+                c["encodes"] += 1
+                c["encoded_tokens"] += item.tokens
+                c["encode_seconds"] += time.monotonic() - t0
+            seq.vision_encodes += 1
+            seq.vision_seconds += time.monotonic() - t0
+        return got[k]
 
     def _commit(self, seq: Sequence, token: int, record=None) -> None:
         """Append a sampled token, publish its text, and finish the request when it ends."""

@@ -72,12 +72,30 @@ class SideInputs:
 
     positions: None (start .. start+T-1), or int positions [T], or [3, T] multimodal (mRoPE)
     positions. embeddings: (row, tensor [n, hidden]) pairs spliced over the token embeddings of
-    rows row..row+n-1 (media placeholders). extras: family-defined per-token values.
+    rows row..row+n-1 (media placeholders; their token ids may be identity ids >= vocab_size, which
+    a runner must not look up). extras: family-defined per-token values.
     """
 
     positions: Any = None
     embeddings: list = field(default_factory=list)
     extras: dict = field(default_factory=dict)
+
+    def covered_rows(self) -> set[int]:
+        """Rows whose token embedding is replaced (their token ids may be media identity ids at
+        or above the vocabulary: see ninfer_core.media.api)."""
+        return {row + j for row, emb in self.embeddings for j in range(int(emb.shape[0]))}
+
+    def slice(self, a: int, b: int) -> "SideInputs":
+        """The side inputs of rows [a, b) of the segment (a runner splitting a segment)."""
+        pos = self.positions
+        if pos is not None:
+            pos = pos[..., a:b]
+        embs = []
+        for row, emb in self.embeddings:
+            lo, hi = max(row, a), min(row + int(emb.shape[0]), b)
+            if lo < hi:
+                embs.append((lo - a, emb[lo - row: hi - row]))
+        return SideInputs(pos, embs, {k: v[..., a:b] if hasattr(v, "shape") else v for k, v in self.extras.items()})
 
 
 @dataclass
@@ -414,8 +432,9 @@ def check_batch(batch: ForwardBatch, vocab_size: int, num_slots: int, num_pages:
             raise ValueError(f"unknown logits selection {seg.logits!r}")
         if not 0 <= seg.slot < num_slots:
             raise ValueError(f"state slot {seg.slot} outside 0..{num_slots - 1}")
-        for t in seg.tokens:
-            if not 0 <= int(t) < vocab_size:
+        covered = seg.side.covered_rows() if seg.side is not None and seg.side.embeddings else ()
+        for row, t in enumerate(seg.tokens):
+            if not 0 <= int(t) < vocab_size and not (row in covered and int(t) >= 0):
                 raise ValueError(f"token id {t} outside the vocabulary (size {vocab_size})")
         need = -(-seg.end // page_size)
         for g in groups:
@@ -449,6 +468,16 @@ class ModelFamily(ABC):
     def convert_hf_config(self, hf_config: dict) -> dict:
         """The model config stored in the artifact manifest; HF's config.json is kept as is by default."""
         return hf_config
+
+    # -- vision (optional; see ninfer_core.media.api) ----------------------------------------------
+    def media_processor(self, artifact) -> Any:
+        """The artifact's `MediaProcessor` (placeholder ids, patch input), or None without a tower."""
+        return None
+
+    def vision_tower(self, artifact, device: str, dtype: Any) -> Any:
+        """A `VisionTower` over the artifact's vision component, its weights on `device` in `dtype`
+        (a vision residency picks both)."""
+        raise ValueError("this model family has no vision tower")
 
     def sampling_presets(self, architecture: str) -> dict | None:
         """The family's sampler presets {"thinking": {...}, "non_thinking": {...}}, or None for core's."""

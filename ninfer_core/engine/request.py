@@ -190,6 +190,11 @@ class Sequence:
         # Speculative decoding: counters, and the lane's n-gram drafting state (engine.ngram)
         self.spec = SpecStats()
         self.drafter = None
+        # Media: the embeddings of spans encoded for this prefill ({span index: tensor}), and what
+        # encoding cost this request (a prefix reused from the cache encodes nothing)
+        self.media_embeds: dict | None = None
+        self.vision_encodes = 0
+        self.vision_seconds = 0.0
 
         self.t_submit = time.monotonic()
         self.t_admit: float | None = None
@@ -238,6 +243,10 @@ class Sequence:
             "predicted_per_token_ms": per_token(predicted_ms, intervals),
             "predicted_per_second": rate(intervals, predicted_ms),
         }
+        if self.request.media is not None:  # media items, and how many of them this request encoded
+            out["media_n"] = len(self.request.media.items)
+            out["vision_encodes"] = self.vision_encodes
+            out["vision_ms"] = self.vision_seconds * 1000.0
         if self.spec.rounds:  # spec: draft_n / draft_n_accepted when draft work occurred
             out["draft_n"] = self.spec.drafted
             out["draft_n_accepted"] = self.spec.accepted

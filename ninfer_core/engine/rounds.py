@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ninfer_core.engine.media_side import segment_side
 from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, VERIFY, ForwardBatch, LaneSegment
 from ninfer_core.engine.ngram import LaneDrafter, NgramArchive, NgramOptions
 from ninfer_core.engine.pages import pages_for
@@ -74,7 +75,9 @@ class RoundDriver:
             verify = any(drafts)
             segs = [LaneSegment(s.slot, self._tables(s, s.num_cached + 1 + len(d)), s.num_cached,
                                 [s.last_token, *d], VERIFY if verify else DECODE,
-                                LOGITS_ALL if verify else "last", self.target_layers)
+                                LOGITS_ALL if verify else "last", self.target_layers,
+                                side=None if s.request.media is None else
+                                segment_side(s.request.media, s.num_cached, 1 + len(d), None))
                     for s, d in zip(batch, drafts)]
             outs = eng.runner.forward(ForwardBatch(segs))
             eng._launches += 1
@@ -176,6 +179,9 @@ class RoundDriver:
                     s.drafter = LaneDrafter(self.ngram, self.archive, getattr(s.request, "draft_session", None))
                     s.drafter.extend(s.prompt_ids + s.output_ids)
                 got, src = s.drafter.propose(allowed)
+                if got and s.request.media is not None:  # a copy may run into media identity ids
+                    vocab = self.engine.runner.info.vocab_size
+                    got = got[: next((k for k, t in enumerate(got) if t >= vocab), len(got))]
                 if got:
                     drafts[i], sources[i] = got, src
                     continue

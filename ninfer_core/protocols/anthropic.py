@@ -75,6 +75,7 @@ class Prompt:
     context_management: dict | None = None
     original_tokens: int | None = None
     chat_format: Any = None  # the model's ChatFormat (reasoning and tool-call markup)
+    media: Any = None  # ninfer_core.media.api.MediaPrompt of the prompt's images
 
 
 def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
@@ -88,7 +89,8 @@ def prepare_prompt(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
     source = plan.source or {}
 
     def lowered(messages: list) -> MessagesPlan:
-        msgs, prefill = lower_conversation({**source, "messages": messages}, plan.thinking, plan.thinking_explicit)
+        msgs, prefill = lower_conversation({**source, "messages": messages}, plan.thinking, plan.thinking_explicit,
+                                           vision=ctx.media is not None)
         return replace(plan, messages=msgs, prefill=prefill)
 
     edited, applied, original = apply_edits(plan.context_edits, source.get("messages") or [],
@@ -107,7 +109,8 @@ def _render(ctx: ServerContext, plan: MessagesPlan) -> Prompt:
         ids += tok.encode(plan.prefill, allow_special=False)  # caller text: never control tokens
     if plan.forced_tool:
         ids += forced_call_ids(tok, plan.forced_tool)
-    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids), chat_format=chat_format_of(tok))
+    return Prompt(ids, opens_reasoning(tok, ids), cache_hints(ctx, plan, ids), chat_format=chat_format_of(tok),
+                  media=prepared.media)
 
 
 def _compile(ctx: ServerContext, plan: MessagesPlan):
@@ -293,7 +296,7 @@ class AnthropicMessages:
         try:
             prompt = await anyio.to_thread.run_sync(prepare_prompt, ctx, plan)
             sampling = resolve_sampling(ctx, plan.thinking, plan.sampling_request, None)
-            gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens,
+            gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=plan.max_tokens, media=prompt.media,
                                     stop=plan.stop, request_id=request_id, deadline=deadline,
                                     checkpoint_hints=prompt.hints,
                                     constraint=make_constraint(ctx, compiled, prompt.opens_reasoning),

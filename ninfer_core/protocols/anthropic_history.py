@@ -165,8 +165,10 @@ def system_text(content: Any, param: str) -> str:
 
 # -- messages ---------------------------------------------------------------------------------------
 
-def lower_conversation(data: dict, thinking: bool, explicit: bool) -> tuple[list[dict], str | None]:
-    """Anthropic system + messages -> chat-template messages, and the assistant prefill text."""
+def lower_conversation(data: dict, thinking: bool, explicit: bool,
+                       vision: bool = False) -> tuple[list[dict], str | None]:
+    """Anthropic system + messages -> chat-template messages, and the assistant prefill text.
+    With `vision`, image blocks (user turns, tool results) become media parts of a content list."""
     out: list[dict] = []
     system = data.get("system")
     if system is not None:
@@ -200,7 +202,7 @@ def lower_conversation(data: dict, thinking: bool, explicit: bool) -> tuple[list
             pending = None
         elif role == "user":
             out.extend(_user_turn(blocks, pending, pending_at, first=n == 0 or all(
-                r == "system" for r, _, _ in turns[:n])))
+                r == "system" for r, _, _ in turns[:n]), vision=vision))
             pending = None
         else:
             if pending:
@@ -238,14 +240,31 @@ def _join_turns(raw: list) -> list[tuple[str, list[tuple[dict, str]], int]]:
     return turns
 
 
-def _tool_result_text(block: dict, p: str) -> str:
+def _with_media(parts: list) -> str | list:
+    """Joined text, or (a media part among them) the list of text and media parts in order."""
+    if all(isinstance(x, str) for x in parts):
+        return "".join(parts)
+    return [x if isinstance(x, dict) else {"type": "text", "text": x} for x in parts]
+
+
+def _image(block: dict, p: str, vision: bool, role: str) -> dict:
+    if not vision:
+        raise _unsupported_block("image", f"{p}.type", role)
+    from ninfer_core.media.parts import anthropic_image
+
+    check_cache_control(block, p)
+    return anthropic_image(block, p)
+
+
+def _tool_result_text(block: dict, p: str, vision: bool = False) -> str | list:
     content = block.get("content")
+    is_error = opt_bool(block, "is_error", f"{p}.is_error")
+    pieces: list = [TOOL_ERROR_MARK] if is_error else []
     if content is None:
-        text = ""
+        pass
     elif isinstance(content, str):
-        text = content
+        pieces.append(content)
     elif isinstance(content, list):
-        pieces = []
         for k, part in enumerate(content):
             q = f"{p}.content.{k}"
             if not isinstance(part, dict):
@@ -253,21 +272,21 @@ def _tool_result_text(block: dict, p: str) -> str:
             kind = part.get("type")
             if kind == "text":
                 pieces.append(text_of(part, q))
+            elif kind == "image":
+                pieces.append(_image(part, q, vision, "tool_result"))
             else:
                 raise _unsupported_block(str(kind), f"{q}.type", "tool_result")
-        text = "".join(pieces)
     else:
         raise wrong_type(f"{p}.content", "a string or a list of content blocks")
-    is_error = opt_bool(block, "is_error", f"{p}.is_error")
     check_cache_control(block, p)
-    return TOOL_ERROR_MARK + text if is_error else text
+    return _with_media(pieces)
 
 
 def _user_turn(blocks: list[tuple[dict, str]], pending: list[str] | None, pending_at: str,
-               first: bool) -> list[dict]:
-    results: dict[str, str] = {}
+               first: bool, vision: bool = False) -> list[dict]:
+    results: dict[str, str | list] = {}
     order: list[str] = []
-    texts: list[str] = []
+    texts: list = []  # text, and media parts with vision
     hinted: dict[str, dict] = {}  # tool id -> its result block, for cache_control hints
     for block, p in blocks:
         kind = block["type"]
@@ -289,11 +308,13 @@ def _user_turn(blocks: list[tuple[dict, str]], pending: list[str] | None, pendin
             if pending is None and not first:
                 raise bad_request("invalid_tool_history", "tool_result blocks must answer the tool_use "
                                   "blocks of the assistant turn right before them.", p)
-            results[tid] = _tool_result_text(block, p)
+            results[tid] = _tool_result_text(block, p, vision)
             hinted[tid] = block
             order.append(tid)
         elif kind == "text":
             texts.append(text_of(block, p))
+        elif kind == "image":
+            texts.append(_image(block, p, vision, "user"))
         else:
             raise _unsupported_block(kind, f"{p}.type", "user")
     if pending is not None:
@@ -306,7 +327,7 @@ def _user_turn(blocks: list[tuple[dict, str]], pending: list[str] | None, pendin
     out = [_mark({"role": "tool", "tool_call_id": tid, "content": results[tid]}, [hinted[tid]])
            for tid in order]
     if texts or not order:
-        out.append(_mark({"role": "user", "content": "".join(texts)},
+        out.append(_mark({"role": "user", "content": _with_media(texts)},
                          [b for b, _ in blocks if b["type"] != "tool_result"]))
     return out
 

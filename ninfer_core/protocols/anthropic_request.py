@@ -94,7 +94,7 @@ def parse_request(data: Any, ctx: ServerContext, count_only: bool = False) -> Me
         thinking = False  # spec: structured responses default to thinking disabled unless the request asks
     kwargs, thinking, explicit = _template_kwargs(data, ctx, thinking, explicit)
     tools, forced, parallel, thinking = _tools(data, thinking, explicit)
-    messages, prefill = lower_conversation(data, thinking, explicit)
+    messages, prefill = lower_conversation(data, thinking, explicit, vision=ctx.media is not None)
     if fmt is not None and prefill:
         raise bad_request("assistant_prefill_not_supported", "An assistant prefill cannot be continued under a "
                           f"structured output format ({fmt.param}): the document must start with the answer.",

@@ -127,7 +127,7 @@ class ChatCompletions:
             max_tokens = plan.max_tokens
             if plan.derived_limit:
                 max_tokens = derived_output_limit(ctx, len(prompt.ids))
-            gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=max_tokens,
+            gen = GenerationRequest(prompt_ids=prompt.ids, sampling=sampling, max_tokens=max_tokens, media=prompt.media,
                                     stop=plan.stop, ignore_eos=plan.ignore_eos,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
                                     deadline=deadline, logprobs=plan.logprobs,

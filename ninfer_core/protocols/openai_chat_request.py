@@ -135,7 +135,7 @@ def check_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPlan:
     stop = _stop_list(req.stop)
     refuse_conflicts(fmt, stop=stop, ignore_eos=bool(req.ignore_eos))
     return ChatPlan(
-        messages=with_instruction(normalize_messages(req.messages), fmt, tools is not None),
+        messages=with_instruction(normalize_messages(req.messages, _media_flags(ctx)), fmt, tools is not None),
         tools=tools,
         thinking=thinking,
         template_kwargs=template_kwargs,
@@ -369,18 +369,23 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, str | None, f
     return out, forced, frozenset(custom)
 
 
-def _content_text(content: Any, param: str, role: str) -> str:
+def _content_text(content: Any, param: str, role: str, media: tuple[bool, bool] = (False, False)) -> str | list:
+    """The message content as text, or as a list of text and media parts when it carries media
+    (`media` = (vision enabled, lenient image detail))."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request("invalid_type", "content must be a string or a list of content parts.", param)
-    pieces = []
+    pieces: list = []
+    parts: list | None = None  # set once a media part is seen
     for j, part in enumerate(content):
         p = f"{param}.{j}"
         if isinstance(part, str):  # tolerated: a bare string part is its text
             pieces.append(part)
+            if parts is not None:
+                parts.append({"type": "text", "text": part})
             continue
         if not isinstance(part, dict):
             raise bad_request("invalid_type", "a content part must be an object.", p)
@@ -397,14 +402,35 @@ def _content_text(content: Any, param: str, role: str) -> str:
                 raise bad_request("invalid_type", "a refusal part needs a string 'refusal'.", f"{p}.refusal")
             pieces.append(text)
         elif kind in ("image_url", "input_image", "video_url", "image", "video"):
-            raise bad_request("vision_disabled", "This server was started without --vision; image and "
-                              "video input is not accepted.", f"{p}.type")
+            if not media[0]:
+                raise bad_request("vision_disabled", "This server was started without --vision; image and "
+                                  "video input is not accepted.", f"{p}.type")
+            if role not in ("user", "tool", "function"):
+                raise bad_request("invalid_value", f"media parts are accepted in user and tool messages, not in "
+                                  f"a {role} message.", f"{p}.type")
+            if kind in ("image", "video"):
+                raise bad_request("invalid_value", f"unknown content part type {kind!r}: send image_url or "
+                                  "video_url.", f"{p}.type")
+            from ninfer_core.media.parts import openai_part
+
+            if parts is None:
+                parts = [{"type": "text", "text": t} for t in pieces]
+            parts.append(openai_part(part, p, media[1]))
+            continue
         elif kind in ("input_audio", "file", "audio"):
             raise bad_request("content_type_not_supported", f"'{kind}' content is not supported: the model "
                               "reads text only.", f"{p}.type")
         else:
             raise bad_request("invalid_value", f"unknown content part type {kind!r}.", f"{p}.type")
-    return "".join(pieces)
+        if parts is not None:
+            parts.append({"type": "text", "text": pieces[-1]})
+    return "".join(pieces) if parts is None else parts
+
+
+def _media_flags(ctx: ServerContext) -> tuple[bool, bool]:
+    """(vision enabled, lenient image detail) of the serving process."""
+    opts = getattr(ctx.options, "media", None)
+    return (ctx.media is not None, bool(opts is not None and opts.lenient_image_detail))
 
 
 def _arguments(raw: Any, param: str) -> dict:
@@ -446,14 +472,15 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     return out
 
 
-def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> the plain dicts the chat template renders (input order kept)."""
+def normalize_messages(messages: list[ChatMessage], media: tuple[bool, bool] = (False, False)) -> list[dict]:
+    """OpenAI messages -> the plain dicts the chat template renders (input order kept).
+    `media`: (vision enabled, lenient image detail)."""
     out = []
     for i, m in enumerate(messages):
         p = f"messages.{i}"
         role = m.role
         d: dict[str, Any] = {"role": "tool" if role == "function" else role,
-                             "content": _content_text(m.content, f"{p}.content", role)}
+                             "content": _content_text(m.content, f"{p}.content", role, media)}
         if m.name is not None:
             if not isinstance(m.name, str):
                 raise bad_request("invalid_type", "name must be a string.", f"{p}.name")

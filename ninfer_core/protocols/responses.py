@@ -74,6 +74,7 @@ class Prepared:
     forced_opener: str | None
     session_id: str | None = None
     hints: Any = None  # CheckpointHints with the client's prompt_cache_breakpoint markers, when any
+    media: Any = None  # ninfer_core.media.api.MediaPrompt of the prompt's images and videos
 
 
 DROPPED_TOOLS_HEADER = "x-ninfer-dropped-tools"
@@ -111,7 +112,9 @@ def prepare_prompt(plan: CreatePlan, ctx: ServerContext,
                               " names no stored Response (store: false, deleted, evicted, or the server restarted).",
                               "previous_response_id")
     history = parent.context if parent else []
-    vision = bool(ctx.model and ctx.model.vision)
+    vision: bool | str = ctx.media is not None
+    if vision and ctx.options.media is not None and ctx.options.media.lenient_image_detail:
+        vision = "lenient"
     new_items = normalize_input(plan.input, vision, {i["id"] for i in history})
     if not new_items and not _has_user(history):
         raise bad_request("missing_required_parameter", "Missing required parameter: 'input' (it may be omitted only "
@@ -134,7 +137,7 @@ def render(prep_and_messages: tuple[Prepared, list[dict], dict[str, Any]], plan:
     prep, messages, kwargs = prep_and_messages
     tools = plan.tools.template_tools or None
     prompt = render_prompt_ids(ctx, messages, tools, prep.thinking, kwargs)
-    prep.ids, prep.opens_reasoning = list(prompt.ids), prompt.opens_reasoning
+    prep.ids, prep.opens_reasoning, prep.media = list(prompt.ids), prompt.opens_reasoning, prompt.media
     if checkpoints:
         prep.hints = prompt_hints(ctx, prep.ids, kwargs)
         prep.hints.markers = breakpoint_markers(prep.ids, turn_opener_id(ctx.tokenizer), messages,
@@ -319,6 +322,7 @@ class Responses:
             elif plan.store:
                 prep.session_id = ("resp:" + rid)[:SESSION_KEY_MAX]
             gen = GenerationRequest(prompt_ids=prep.ids, sampling=sampling, max_tokens=plan.max_output_tokens,
+                                    media=prep.media,
                                     request_id=request.scope.get("state", {}).get("request_id", ""),
                                     deadline=deadline, session_id=prep.session_id, session_store=plan.store,
                                     checkpoint_hints=prep.hints,

@@ -88,8 +88,15 @@ def _part(part: Any, param: str, role: str, vision: bool) -> dict:
                               f"{param}.type")
         if not vision:
             raise _vision_refusal(f"{param}.type")
-        raise bad_request("content_type_not_supported", f"{kind} is not supported by this build "
-                          f"(at '{param}.type').", f"{param}.type")
+        from ninfer_core.media.parts import openai_part
+
+        ref = openai_part(part, param, vision == "lenient")["media"]  # field checks; fetched at render
+        field = "video_url" if ref.kind == "video" else "image_url"
+        out = {"type": kind, field: ref.url}
+        if ref.kind == "image":
+            out["detail"] = ref.detail
+        _breakpoint(part, param, out)
+        return out
     if kind in _UNSUPPORTED_PARTS:
         raise bad_request("content_type_not_supported", f"{_UNSUPPORTED_PARTS[kind]} ({kind}) is not supported: "
                           f"the model reads text only (at '{param}.type').", f"{param}.type")
@@ -240,8 +247,9 @@ def _function_output(item: dict, param: str, vision: bool) -> dict:
     return out
 
 
-def normalize_input(value: Any, vision: bool, taken_ids: set[str]) -> list[dict]:
-    """The wire `input` -> canonical Items with ids (client order). `taken_ids`: ids already in context."""
+def normalize_input(value: Any, vision: bool | str, taken_ids: set[str]) -> list[dict]:
+    """The wire `input` -> canonical Items with ids (client order). `taken_ids`: ids already in context.
+    `vision`: media parts are accepted (True, or "lenient" to read an unknown image detail as auto)."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -300,16 +308,26 @@ def internal_name(name: str, namespace: str | None) -> str:
     return f"{namespace}.{name}" if namespace else name
 
 
-def _text(parts: list[dict] | str) -> str:
+def _text(parts: list[dict] | str, param: str | None = None) -> str | list:
+    """Canonical parts -> template content: their text, or with media parts a list of text and
+    media parts (ninfer_core.media.prompt), in order."""
     if isinstance(parts, str):
         return parts
-    out = []
-    for p in parts:
+    out: list = []
+    media = False
+    for j, p in enumerate(parts):
         if p["type"] in ("input_text", "output_text"):
             out.append(p["text"])
         elif p["type"] == "refusal":
             out.append(p["refusal"])
-    return "".join(out)
+        elif p["type"] in ("input_image", "input_video"):
+            from ninfer_core.media.parts import openai_part
+
+            out.append(openai_part(p, f"{param}.{j}" if param else "input", True))
+            media = True
+    if not media:
+        return "".join(out)
+    return [x if isinstance(x, dict) else {"type": "text", "text": x} for x in out]
 
 
 BREAKPOINT_KEY = "_ninfer_cache_breakpoint"  # on a template message: a client prompt_cache_breakpoint ends it
@@ -375,7 +393,11 @@ def to_messages(context: list[tuple[dict, str]], instructions: str | None, lenie
         nonlocal turn, last_calls
         if turn is None:
             return
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(turn.content)}
+        if all(isinstance(c, str) for c in turn.content):
+            content: str | list = "".join(turn.content)
+        else:  # media in an assistant message: one list of text and media parts
+            content = [p for c in turn.content for p in ([{"type": "text", "text": c}] if isinstance(c, str) else c)]
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
         if turn.reasoning:
             msg["reasoning_content"] = "\n".join(turn.reasoning)
         if turn.calls:
@@ -415,7 +437,7 @@ def to_messages(context: list[tuple[dict, str]], instructions: str | None, lenie
                               "represented in the prompt.", p)
         for c, _ in last_calls:  # declaration order
             out = got[c["call_id"]]["output"]
-            msg = {"role": "tool", "tool_call_id": c["call_id"], "content": _text(out)}
+            msg = {"role": "tool", "tool_call_id": c["call_id"], "content": _text(out, f"{by_id[c['call_id']][1]}")}
             if _has_breakpoint(out):
                 msg[BREAKPOINT_KEY] = True
             messages.append(msg)
@@ -445,7 +467,7 @@ def to_messages(context: list[tuple[dict, str]], instructions: str | None, lenie
             if kind == "reasoning":
                 turn.reasoning.append("".join(p["text"] for p in item["content"]))
             elif kind == "message":
-                turn.content.append(_text(item["content"]))
+                turn.content.append(_text(item["content"], f"{param}.content"))
             else:
                 turn.calls.append((item, param))
         elif kind == "function_call_output":
@@ -455,7 +477,7 @@ def to_messages(context: list[tuple[dict, str]], instructions: str | None, lenie
             close_turn()
             close_results()
             last_calls = []
-            msg = {"role": role, "content": _text(item["content"])}
+            msg = {"role": role, "content": _text(item["content"], f"{param}.content")}
             if _has_breakpoint(item["content"]):
                 msg[BREAKPOINT_KEY] = True
             messages.append(msg)

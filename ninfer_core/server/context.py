@@ -106,6 +106,7 @@ class ServerContext:
     requests_rejected: int = 0  # generation requests refused in preparation (ninfer:requests_rejected_total)
     request_log: Any = None  # ninfer_core.server.request_log.RequestLog with --request-log-jsonl
     structured: Any = None  # ninfer_core.structured.compiler.StructuredOutput with --structured-output
+    media: Any = None  # ninfer_core.media.prompt.MediaService with --vision
     # The WebUI's server side (ninfer_core.protocols.webui mounts them): streamed Chat Completions
     # by id (for the reasoning_end control), the resumable stream sessions (X-Conversation-Id), and
     # the static WebUI (ninfer_core.server.webui.WebUI) when one is served.

@@ -126,9 +126,14 @@ class Loader:
             if self.spec_reg is not None:  # the backend enables what it needs before the cache is sized
                 spec = self.spec_reg.load().load(runner, self.artifact, opts.plugin_options)
                 log.info("speculative backend %s: %s", self.spec_reg.name, spec.describe())
+            vision = media = None
+            if opts.media is not None and opts.media.vision:
+                from ninfer_core.media.loading import load_vision
+
+                vision, media = load_vision(ctx, family, self.artifact, runner, int(runner.info.vocab_size), tokenizer)
             kv_dtype, prefix_cache = engine_plugins(ctx.plugins, opts.engine)
             engine = Engine(runner, tokenizer, replace(opts.engine, device=device), spec=spec,
-                            prefix_cache=prefix_cache, kv_dtype=kv_dtype)
+                            prefix_cache=prefix_cache, kv_dtype=kv_dtype, vision=vision)
             engine.start()
             self.engine = engine
             engine.recovery.on_failure(self.on_engine_failure)
@@ -143,8 +148,9 @@ class Loader:
                 n_vocab=tokenizer.vocab_size, n_ctx_train=int(info.max_position), n_embd=int(info.hidden_size),
                 n_params=facts["n_params"] or int(info.n_params), size=facts["size"], ftype=facts["ftype"],
                 aliases=tuple(a for a in opts.aliases if a != public_model_id(opts, self.artifact)),
-                tags=tuple(opts.tags))
+                tags=tuple(opts.tags), vision=vision is not None)
             ctx.tokenizer, ctx.chat_template, ctx.engine = tokenizer, self.template, engine
+            ctx.media = media
             if opts.engine.ngram_archive_mib:
                 from ninfer_core.server.draft_session import DraftSessionEngine
 

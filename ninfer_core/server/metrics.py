@@ -26,7 +26,8 @@ from ninfer_core.server.context import ServerContext
 # request-log event): overload, invalid or oversized prompt or media. Unparseable and 413 bodies
 # and schema validation failures are not measurement requests and are not counted.
 REJECTION_CODES = frozenset({"server_overloaded", "context_length_exceeded", "invalid_prompt", "invalid_media",
-                             "media_budget_exceeded", "vision_disabled", "request_queue_timeout"})
+                             "media_budget_exceeded", "vision_disabled", "request_queue_timeout",
+                             "image_detail_not_supported", "media_fetch_failed", "media_fetch_timeout"})
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion", "/completions",
                               "/v1/messages", "/v1/responses", "/chat/completions", "/responses"})
 

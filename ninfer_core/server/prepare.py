@@ -100,6 +100,7 @@ def derived_output_limit(ctx: ServerContext, prompt_tokens: int) -> int | None:
 class PreparedPrompt:
     ids: list[int]
     opens_reasoning: bool  # the generation prompt left a reasoning block open
+    media: Any = None  # ninfer_core.media.api.MediaPrompt when the messages carry media
 
 
 def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict] | None,
@@ -111,6 +112,14 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
         raise EngineError(400, "no_chat_template", "This server has no chat template for its model, so chat "
                           "requests cannot be rendered: send a raw prompt to /v1/completions, or restart the "
                           "server with --chat-template NAME|FILE.")
+    from ninfer_core.media.prompt import has_media, strip_media
+
+    refs = []
+    if has_media(messages):
+        if ctx.media is None:
+            raise EngineError(400, "vision_disabled", "This server was started without --vision; image and video "
+                              "input is not accepted.", param="messages")
+        messages, refs = strip_media(messages)
     tok = ctx.tokenizer
     kwargs = dict(template_kwargs)
     # the tokenizer's own markers, as transformers passes them (some templates open with bos_token)
@@ -130,7 +139,10 @@ def render_prompt_ids(ctx: ServerContext, messages: list[dict], tools: list[dict
             raise EngineError(400, "invalid_prompt", f"The chat template rejected the conversation: {e}",
                               param="messages") from None
         raise
-    return PreparedPrompt(ids=ids, opens_reasoning=opens_reasoning(tok, ids))
+    media = None
+    if refs:  # acquisition and preprocessing are host work on this thread (and the media pool)
+        ids, media = ctx.media.expand_prompt(ids, refs)
+    return PreparedPrompt(ids=ids, opens_reasoning=opens_reasoning(tok, ids), media=media)
 
 
 def prompt_hints(ctx: ServerContext, ids: list[int], template_kwargs: dict[str, Any]) -> Any:

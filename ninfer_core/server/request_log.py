@@ -272,7 +272,7 @@ class _Tracker:
                        requested_output_tokens=self.budget(), explicit_output_limit=r.max_tokens is not None,
                        sampler=sampling, stop_strings=len(r.stop), ignore_eos=bool(r.ignore_eos),
                        logprobs=r.logprobs, thinking=thinking, session_bound=r.session_id is not None,
-                       cache_prompt=bool(r.cache_prompt),
+                       cache_prompt=bool(r.cache_prompt), media=_media_record(r.media),
                        timings_seconds={"prepare": self.t_submit - self.scope.t_arrival})
 
     def observe(self, ev: Any) -> None:
@@ -311,6 +311,8 @@ class _Tracker:
             t["prefill"] = et["prompt_ms"] / 1000.0
         if "predicted_ms" in et:
             t["decode"] = et["predicted_ms"] / 1000.0
+        if "vision_ms" in et:  # media encodes this request ran (0 when its media came from the cache)
+            t["vision"] = et["vision_ms"] / 1000.0
         return t
 
     def _done(self, now: float, ev: Any) -> None:
@@ -472,6 +474,31 @@ class ThroughputReporter:
 
 # -- server_start -----------------------------------------------------------------------------------
 
+def _vision_record(engine: Any, ctx: Any) -> dict | None:
+    vision = getattr(engine, "vision", None)
+    if vision is None:
+        return None
+    out = dict(vision.describe())
+    media = getattr(ctx, "media", None)
+    if media is not None:
+        out.update(max_merged_per_item=media.max_merged, media_cache_bytes=media.cache.capacity,
+                   media_live_bytes=media.live.capacity)
+    return out
+
+
+def _media_record(media: Any) -> dict | None:
+    """Request-scoped media facts: items, tokens, acquisition and preprocessing, cache outcome, bytes."""
+    if media is None:
+        return None
+    rep = media.report
+    out = {"items": len(media.items), "tokens": sum(s.length for s in media.spans),
+           "digests": [i.digest[:16] for i in media.items]}
+    if rep is not None:
+        out.update(source_bytes=rep.source_bytes, payload_bytes=rep.payload_bytes, acquire_seconds=rep.acquire_s,
+                   preprocess_seconds=rep.preprocess_s, cache=dict(rep.cache))
+    return out
+
+
 def server_start_record(ctx: Any, engine: Any, argv: list[str] | None = None) -> dict:
     """build, artifact, architecture, public name, redacted argv and options, the resolved Engine
     and context-cache capacities and switches, and the context-cost source."""
@@ -519,6 +546,8 @@ def server_start_record(ctx: Any, engine: Any, argv: list[str] | None = None) ->
         "options": options, "engine": eng,
         "sampler_defaults": ctx.sampling_presets,
         "thinking": _jsonable(opts.thinking),
+        # the vision residency and its device memory (null: --vision off)
+        "vision": _vision_record(engine, ctx),
     }
     if cache is not None:
         from ninfer_core.engine import cache_planner

@@ -93,6 +93,7 @@ class ForwardContext:
     positions: torch.Tensor  # [N] int64, absolute position of every new token
     cache: CacheTensors
     cos: torch.Tensor | None = None  # [N, rotary_dim]
+    rope_positions: torch.Tensor | None = None  # [3, N] multimodal (mRoPE) positions; None: `positions`
     sin: torch.Tensor | None = None
     # verify segments: {slot: {layer: (conv states [T, ...], ssm states [T, ...])}}, the state after
     # each of the segment's tokens, so `commit` can keep any prefix

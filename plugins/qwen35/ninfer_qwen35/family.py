@@ -154,6 +154,23 @@ class Qwen35Family(ModelFamily):
             return GpuQwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
         return Qwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
 
+    # ---- vision (model.visual.*; ninfer_core.media) ---------------------------------------------
+    def media_processor(self, artifact):
+        """Qwen3.5's image/video preprocessing for an artifact with a vision tower, else None."""
+        if "vision" not in (getattr(artifact, "components", None) or []):
+            return None
+        from ninfer_qwen35.media import Qwen35MediaProcessor
+
+        return Qwen35MediaProcessor(artifact.config)
+
+    def vision_tower(self, artifact, device: str, dtype=None):
+        """The tower over `device` in `dtype` (default: the text model's run dtype there)."""
+        from ninfer_qwen35.vision import Qwen35VisionTower, load_vision_model
+
+        dev = torch.device(device)
+        dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
+        return Qwen35VisionTower(load_vision_model(artifact, dev, dt), dev)
+
     def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
         """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device`
         as the loader asks for them (`ninfer bench`; nothing is written)."""

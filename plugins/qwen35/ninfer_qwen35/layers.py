@@ -67,6 +67,8 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, rope: RopeConfig, device=None):
         dim = int(head_dim * rope.partial_rotary_factor)
         self.rotary_dim = dim
+        self.mrope_section = tuple(rope.mrope_section)
+        self.mrope_interleaved = rope.mrope_interleaved
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / dim
         inv_freq = 1.0 / (rope.theta**exponent)
         if rope.rope_type == "linear":
@@ -74,9 +76,22 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq  # [rotary_dim // 2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [N, rotary_dim] for integer positions [N]."""
+        """cos, sin of shape [N, rotary_dim] for integer positions [N], or multimodal positions
+        [3, N] (t, h, w): frequency i takes its axis from the interleaved mRoPE layout (i % 3 in
+        the first 3 * section entries, t beyond them)."""
         inv = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv[None, :]
+        if positions.dim() == 2:
+            axes = positions.float()[:, :, None] * inv[None, None, :]  # [3, N, rot/2]
+            freqs = axes[0].clone()
+            for axis in (1, 2):
+                if self.mrope_interleaved:
+                    idx = slice(axis, self.mrope_section[axis] * 3, 3)
+                else:  # contiguous sections t | h | w
+                    lo = sum(self.mrope_section[:axis])
+                    idx = slice(lo, lo + self.mrope_section[axis])
+                freqs[:, idx] = axes[axis][:, idx]
+        else:
+            freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

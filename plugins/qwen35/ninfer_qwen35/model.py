@@ -78,7 +78,8 @@ class Qwen35TextModel(nn.Module):
             x = hidden
         else:
             x = self.embed_tokens(tokens) if embeds is None else embeds
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        rope = ctx.rope_positions if ctx.rope_positions is not None else ctx.positions
+        ctx.cos, ctx.sin = self.rotary.cos_sin(rope, x.dtype)
         for i in self.layer_range:
             x = self.layers[i](x, ctx)
             if i in collect:

@@ -284,10 +284,12 @@ class Qwen35Runner(StageRunner, ModelRunner):
     def _forward_snapshot(self, seg: LaneSegment, hidden: torch.Tensor | None = None) -> SegmentOutput:
         """A chunk with a checkpoint inside it: two forwards around a slot copy."""
         at, snap = seg.snapshot
+        side = seg.side
         first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL,
-                            LOGITS_ALL if seg.logits == LOGITS_ALL else "none", seg.hidden)
+                            LOGITS_ALL if seg.logits == LOGITS_ALL else "none", seg.hidden,
+                            side=None if side is None else side.slice(0, at))
         rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL, seg.logits,
-                           seg.hidden)
+                           seg.hidden, side=None if side is None else side.slice(at, len(seg.tokens)))
         at_h = (None, None) if hidden is None else (hidden[:at], hidden[at:])
         a = self._forward([first], at_h[0])[0]
         self.copy_slot(seg.slot, snap)
@@ -306,7 +308,8 @@ class Qwen35Runner(StageRunner, ModelRunner):
     def _embeds(self, segments: Sequence[LaneSegment], ids: torch.Tensor) -> torch.Tensor | None:
         if not any(s.side is not None and s.side.embeddings for s in segments):
             return None
-        x = self.model.embed_tokens(ids).clone()
+        # media rows carry identity ids past the vocabulary: their lookups are overwritten below
+        x = self.model.embed_tokens(ids.clamp(max=self.cfg.vocab_size - 1)).clone()
         off = 0
         for s in segments:
             for row, emb in (s.side.embeddings if s.side is not None else ()):
@@ -316,26 +319,26 @@ class Qwen35Runner(StageRunner, ModelRunner):
             off += len(s.tokens)
         return x
 
-    def _positions(self, segments: Sequence[LaneSegment], default: torch.Tensor) -> torch.Tensor:
+    def _positions(self, segments: Sequence[LaneSegment], default: torch.Tensor) -> torch.Tensor | None:
+        """Rope positions from the side inputs: [N], or [3, N] when a segment brings mRoPE
+        positions (a text segment beside it gets its index on all three axes); None: `default`."""
         if not any(s.side is not None and s.side.positions is not None for s in segments):
-            return default
+            return None
         parts, off = [], 0
         for s in segments:
             n = len(s.tokens)
             p = s.side.positions if s.side is not None else None
             if p is None:
-                parts.append(default[off: off + n])
+                p = default[off: off + n]
             else:
                 p = torch.as_tensor(p, dtype=torch.int64, device=self.device)
-                if p.dim() == 2:  # mRoPE [3, T]: text positions are equal on the three axes
-                    if not bool((p == p[:1]).all()):
-                        raise NotImplementedError("multimodal (3-axis) mRoPE positions need the vision tower")
-                    p = p[0]
-                if p.shape != (n,):
+                if p.shape[-1] != n or p.dim() not in (1, 2) or (p.dim() == 2 and p.shape[0] != 3):
                     raise ValueError(f"side positions of shape {tuple(p.shape)} for a segment of {n} tokens")
-                parts.append(p)
+            parts.append(p)
             off += n
-        return torch.cat(parts)
+        if all(p.dim() == 1 for p in parts):
+            return torch.cat(parts)
+        return torch.cat([p if p.dim() == 2 else p.expand(3, -1) for p in parts], dim=1)
 
     def _forward(self, segments: Sequence[LaneSegment], hidden_in: torch.Tensor | None = None):
         """SegmentOutputs of `segments`; a pipeline stage before the last returns the residual
@@ -344,7 +347,7 @@ class Qwen35Runner(StageRunner, ModelRunner):
         tokens = [int(t) for s in segments for t in s.tokens]
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         ctx = ForwardContext.build(segs, self.cache, self.device)
-        ctx.positions = self._positions(segments, ctx.positions)
+        ctx.rope_positions = self._positions(segments, ctx.positions)
         collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN}))
         embeds = self._embeds(segments, ids) if hidden_in is None else None
         hidden = self.model(ids, ctx, collect, embeds, hidden=hidden_in)
@@ -355,7 +358,9 @@ class Qwen35Runner(StageRunner, ModelRunner):
                     self._uncommitted[s.slot] = (ctx.verify_states.get(s.slot, {}), rows)
             return hidden
         if self.draft is not None:
-            self._ride_along(segs, segments, ids, hidden, ctx.positions)
+            rope = ctx.rope_positions
+            self._ride_along(segs, segments, ids.clamp(max=self.cfg.vocab_size - 1), hidden,
+                             rope if rope is not None and rope.dim() == 1 else ctx.positions)
         outs = []
         for seg, s in zip(segs, segments):
             rows = hidden[seg.offset: seg.offset + seg.length]

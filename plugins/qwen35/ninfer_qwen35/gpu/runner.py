@@ -251,12 +251,24 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         kinds = {s.kind for s in segs}
         if plain and kinds == {DECODE}:
             return self._decode_segments(segs)
+        rope = _decode_rope(segs) if kinds == {DECODE} else None
+        if rope is not None:  # media lanes' decode: text positions, one rope offset per lane
+            return self._decode_segments(segs, rope)
         if plain and VERIFY in kinds and PREFILL not in kinds:
             return self._verify_segments(segs)
         if plain and kinds == {PREFILL}:
             return [self._prefill_segment(s) for s in segs]
+        if kinds == {PREFILL}:  # a media lane's text-only chunk: the fast path with its rope offset
+            offsets = [_text_rope_offset(s) for s in segs]
+            if all(o is not None for o in offsets):
+                return [self._prefill_segment(s, o) for s, o in zip(segs, offsets)]
+        if VERIFY in kinds and PREFILL not in kinds and all(set(s.hidden) <= {FINAL_HIDDEN} for s in segs):
+            # side inputs (a media lane's mRoPE positions): the reference verify over the same caches;
+            # `commit` finishes it the reference way
+            self._last_verify = None
+            return super().forward(batch)
         if VERIFY in kinds:
-            raise NotImplementedError("a verify batch with side inputs, hidden layers or prefill segments")
+            raise NotImplementedError("a verify batch with hidden layers or prefill segments")
         return super().forward(batch)  # side inputs / layer outputs: the reference path (same caches)
 
     def _forward_tapped(self, batch: ForwardBatch, layers: set) -> list[SegmentOutput]:
@@ -312,11 +324,11 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             off += len(s)
         return parts if self.model.last else torch.cat(parts)
 
-    def _prefill_segment(self, s: LaneSegment) -> SegmentOutput:
+    def _prefill_segment(self, s: LaneSegment, rope_offset: int = 0) -> SegmentOutput:
         seg = Segment(slot=s.slot, pages=list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values()))),
                       start=s.start, length=len(s.tokens), offset=0)
         ids = torch.tensor([int(t) for t in s.tokens], dtype=torch.int64, device=self.device)
-        hidden = self._prefill_body(seg, ids, snap=s.snapshot)
+        hidden = self._prefill_body(seg, ids, snap=s.snapshot, rope_offset=rope_offset)
         if self.draft is not None:
             self._prefill_ride_along(s, ids, hidden)
         return self._output(s, hidden)
@@ -346,18 +358,19 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         self.cache.hidden[s.slot] = hidden[-1]
 
     # ---- decode -----------------------------------------------------------------------------------
-    def _decode_segments(self, segs: list[LaneSegment]) -> list[SegmentOutput]:
+    def _decode_segments(self, segs: list[LaneSegment], rope: list[int] | None = None) -> list[SegmentOutput]:
+        """`rope`: each lane's rope position when it is not the lane's index (media lanes)."""
         rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
         tokens = [int(s.tokens[0]) for s in segs]
         b = len(rows)
         if b <= MAX_GRAPH_BATCH and self.graphs_enabled:
-            self._fill_meta(rows, tokens, self.table_width)
+            self._fill_meta(rows, tokens, self.table_width, rope)
             graph, logits, hidden = self._graph(b)
             graph.replay()
             logits, hidden = logits[:b].clone(), hidden[:b]
         else:
             width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
-            meta = self._build_meta(rows, tokens, width).to(self.device)
+            meta = self._build_meta(rows, tokens, width, rope=rope).to(self.device)
             hidden = self._decode_body(b, meta, width)
             logits = self.model.logits(hidden)
         return [SegmentOutput(logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL
@@ -369,22 +382,26 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         pages = list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values())))
         return Segment(slot=s.slot, pages=pages, start=s.start, length=len(s.tokens), offset=offset, kind=s.kind)
 
-    def _build_meta(self, segs, tokens, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _build_meta(self, segs, tokens, width: int, out: torch.Tensor | None = None,
+                    rope: list[int] | None = None) -> torch.Tensor:
         ps = self.cache.page_size
         rows = []
-        for seg, tok in zip(segs, tokens):
+        for i, (seg, tok) in enumerate(zip(segs, tokens)):
             pos = seg.start
             need = pos // ps + 1
             table = list(seg.pages[:need]) + [self.scratch_page] * (width - need)
-            rows.append([tok, pos, seg.slot, pos + 1, seg.pages[pos // ps], pos % ps, *table])
+            # the position column feeds the rotary tables (and the draft head's rows); the KV write
+            # and the attention length follow the lane's index
+            rows.append([tok, pos if rope is None else rope[i], seg.slot, pos + 1, seg.pages[pos // ps], pos % ps,
+                         *table])
         meta = torch.tensor(rows, dtype=torch.int64)
         if out is not None:
             out[: len(rows)].copy_(meta)
             return out
         return meta
 
-    def _fill_meta(self, segs, tokens, width: int) -> None:
-        self._build_meta(segs, tokens, width, out=self._meta_host)
+    def _fill_meta(self, segs, tokens, width: int, rope: list[int] | None = None) -> None:
+        self._build_meta(segs, tokens, width, out=self._meta_host, rope=rope)
         self._meta.copy_(self._meta_host)
 
     def _graph(self, b: int):
@@ -538,7 +555,8 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
 
     # ---- prefill -----------------------------------------------------------------------------------
     def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None,
-                      hidden: torch.Tensor | None = None) -> torch.Tensor:
+                      hidden: torch.Tensor | None = None, rope_offset: int = 0) -> torch.Tensor:
+        """`rope_offset`: the rope positions are the indices plus this (text after a media lane's media)."""
         model, cache, ps = self.model, self.cache, self.cache.page_size
         t = ids.shape[0]
         pos = torch.arange(seg.start, seg.start + t, device=self.device)
@@ -546,7 +564,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         pages = torch.tensor(seg.pages[:need], dtype=torch.int32, device=self.device)
         wpage, wrow = pages[pos // ps].long(), pos % ps
         x = model.embed_tokens(ids) if hidden is None else hidden
-        cos, sin = model.rotary.cos_sin(pos, x.dtype)
+        cos, sin = model.rotary.cos_sin(pos + rope_offset if rope_offset else pos, x.dtype)
 
         def mixer(i, layer, h):
             if layer.layer_type == "linear_attention":
@@ -592,3 +610,42 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             if core is None:
                 core = gdn_prefill(mod, conv_out, a_raw, b_raw, self.cache.ssm[i], slot)
         return core
+
+
+def _decode_rope(segs) -> list[int] | None:
+    """Each decode lane's rope position when the side inputs carry positions only and they are
+    one text position (equal on mRoPE's three axes); None when any lane needs the reference path."""
+    out = []
+    for s in segs:
+        if set(s.hidden) - {FINAL_HIDDEN}:
+            return None
+        side = s.side
+        if side is None:
+            out.append(s.start)
+            continue
+        if side.embeddings or side.extras or side.positions is None:
+            return None
+        p = torch.as_tensor(side.positions).reshape(-1)
+        if p.numel() not in (1, 3) or bool((p != p[0]).any()):
+            return None
+        out.append(int(p[0]))
+    return out
+
+
+def _text_rope_offset(s) -> int | None:
+    """The rope offset of a segment whose side inputs are text positions only (equal on the three
+    mRoPE axes and consecutive): position - index; 0 without side inputs; None otherwise."""
+    if set(s.hidden) - {FINAL_HIDDEN}:
+        return None
+    side = s.side
+    if side is None:
+        return 0
+    if side.embeddings or side.extras or side.positions is None:
+        return None
+    p = torch.as_tensor(side.positions)
+    p = p if p.dim() == 2 else p[None]
+    first = int(p[0, 0])
+    want = torch.arange(first, first + p.shape[-1], dtype=p.dtype)
+    if not bool((p == want).all()):
+        return None
+    return first - s.start
