@@ -51,8 +51,10 @@ def ninfer_add_serve_options(add):
 def ninfer_register_kv_dtypes(register):
     """Register KV-cache storage formats: `register(name, target)`; `--kv-dtype NAME` picks one.
 
-    `target` is "module:Class" of a `ninfer_core.engine.kv.KVDtype`. bf16 is built in and
-    registered through this same hook.
+    `target` is "module:obj", a KV storage format: bf16 is built in (`ninfer_core.engine.kv_bf16:BF16`)
+    and int8, fp8 and k8v4 (`ninfer_core.quant.kv:INT8` ..., `KVFormat` objects with their per-token
+    scales) register through this same hook. The loaded object reaches the family's `load(options=)`
+    as `options.kv_dtype` and the runner as `RunnerOptions.kv_dtype` (docs/plugins/kv-dtypes.md).
     """
 
 
