@@ -137,7 +137,11 @@ class Loader:
             engine.start()
             self.engine = engine
             engine.recovery.on_failure(self.on_engine_failure)
-            if self.stopping.is_set():
+            if self.stopping.is_set():  # the server stopped during the load: nothing else stops this engine
+                engine.shutdown()
+                close = getattr(runner, "close", None)
+                if close is not None:
+                    close()
                 return
             _warmup(engine, tokenizer)
             info = runner.info

@@ -52,6 +52,9 @@ def _spec_plugins(host: PluginHost) -> set[str]:
     return {r.plugin for r in host.registry("spec_backend").values()}
 
 
+LOADER_JOIN_S = 2.0  # how long a stop waits for an interrupted model load to reach its next step
+
+
 def run_serve(args, host: PluginHost | None = None) -> int:
     """`ninfer serve`; `host` is the plugin host the command line was parsed with (cli.main)."""
     if (getattr(args, "models_dir", None) or getattr(args, "models_preset", None)) and not args.artifact:
@@ -280,12 +283,24 @@ def _serve_until_stopped(ctx, app, options, artifact, family_reg, template, spec
         if stats_server is not None:
             stats_server.should_exit = True
         shutdown_engine()
+        # a stop during the load (Ctrl-C at startup): the loader ends at its next step (it checks
+        # `stopping` and shuts down an engine it made late); give it a moment to get there
+        loader.thread.join(LOADER_JOIN_S)
         log.info("server stopped")
         console.close()
+    rc = 0
     if ctx.load_error:
         print(f"error: loading the model failed: {ctx.load_error}", file=sys.stderr, flush=True)
-        return EXIT_STARTUP
-    if ctx.engine_failure:
+        rc = EXIT_STARTUP
+    elif ctx.engine_failure:
         print(f"error: the engine failed: {ctx.engine_failure}", file=sys.stderr, flush=True)
-        return EXIT_ENGINE_FAILURE
-    return 0
+        rc = EXIT_ENGINE_FAILURE
+    if loader.thread.is_alive():
+        # still inside the family's load (minutes for a large model): the interpreter's teardown
+        # under a thread in torch's native code aborts the process ("terminate called without an
+        # active exception", status -6), so this exit skips the teardown once the logs are out
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
