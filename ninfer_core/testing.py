@@ -399,6 +399,17 @@ class Outcome:
         return self.events[-1].error if self.events and self.events[-1].kind == "error" else None
 
 
+def plugin_flags(entry_point: str, module: str) -> list[str]:
+    """`--plugin MODULE` for a `ninfer serve` subprocess unless the package is installed (its entry
+    point `entry_point` in group "ninfer" then loads it): a plugin's tests run from a checkout
+    on PYTHONPATH as well as from an install."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == entry_point for ep in entry_points(group="ninfer")):
+        return []
+    return ["--plugin", module]
+
+
 def run_async(coro, timeout: float = 60.0):
     """Run a coroutine on a fresh event loop with a safety timeout (not a timing assertion)."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

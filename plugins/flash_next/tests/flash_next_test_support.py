@@ -4,8 +4,6 @@ repository's tests/ run in the same session)."""
 
 def plugin_flags() -> list[str]:
     """`--plugin ninfer_flash_next.plugin` unless the package is installed (its entry point loads it)."""
-    from importlib.metadata import entry_points
+    from ninfer_core.testing import plugin_flags as flags
 
-    if any(ep.name == "flash_next" for ep in entry_points(group="ninfer")):
-        return []
-    return ["--plugin", "ninfer_flash_next.plugin"]
+    return flags("flash_next", "ninfer_flash_next.plugin")
