@@ -80,18 +80,10 @@ class IndexedAttention(GatedAttention):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         q, gate, k, v = self.project(x, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.cache.kv[self.layer_idx]
         ps = ctx.cache.page_size
         dev = x.device
-        page_ids, rows = [], []
-        for seg in ctx.segments:
-            pos = range(seg.start, seg.start + seg.length)
-            page_ids.extend(seg.pages[p // ps] for p in pos)
-            rows.extend(p % ps for p in pos)
-        page_t = torch.tensor(page_ids, device=dev)
-        row_t = torch.tensor(rows, device=dev)
-        k_cache[page_t, row_t] = k.to(k_cache.dtype)
-        v_cache[page_t, row_t] = v.to(v_cache.dtype)
+        page_t, row_t = self.write_new_kv(ctx, k, v)  # Qwen3.5's write (per --kv-dtype)
+        k_cache, v_cache = ctx.cache.kv_views(self.layer_idx, q.dtype)
         iq = None
         if self.indexer is not None:
             iq, ik = self.indexer.project(x, ctx.cos, ctx.sin)

@@ -69,20 +69,24 @@ class GatedAttention(nn.Module):
         out = attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, gate, k, v = self.project(x, ctx.cos, ctx.sin)
+    def write_new_kv(self, ctx: ForwardContext, k, v):
+        """Write the new tokens' K/V (position p -> page pages[p // ps], row p % ps), quantised per
+        --kv-dtype; returns the (page, row) index tensors for anything else stored per row."""
         ps = ctx.cache.page_size
-        dev = x.device
-
-        # write the new tokens' K/V: position p -> page pages[p // ps], row p % ps
         page_ids, rows = [], []
         for seg in ctx.segments:
             pos = range(seg.start, seg.start + seg.length)
             page_ids.extend(seg.pages[p // ps] for p in pos)
             rows.extend(p % ps for p in pos)
-        page_t = torch.tensor(page_ids, device=dev)
-        row_t = torch.tensor(rows, device=dev)
-        ctx.cache.write_kv(self.layer_idx, page_t, row_t, k, v)  # quantised per --kv-dtype
+        page_t = torch.tensor(page_ids, device=k.device)
+        row_t = torch.tensor(rows, device=k.device)
+        ctx.cache.write_kv(self.layer_idx, page_t, row_t, k, v)
+        return page_t, row_t
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, gate, k, v = self.project(x, ctx.cos, ctx.sin)
+        ps = ctx.cache.page_size
+        self.write_new_kv(ctx, k, v)
         k_cache, v_cache = ctx.cache.kv_views(self.layer_idx, q.dtype)
 
         if ctx.all_stepwise:
