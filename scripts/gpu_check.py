@@ -47,11 +47,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(cmd: list[str], log_path: str, timeout: float) -> tuple[int, float, str]:
+def run(cmd: list[str], log_path: str, timeout: float, env: dict | None = None) -> tuple[int, float, str]:
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         try:
-            p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env)
             rc = p.returncode
         except subprocess.TimeoutExpired:
             rc = 124
@@ -81,6 +81,11 @@ def main() -> int:
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--pipeline-args", default="", help="extra arguments for scripts/pipeline_check.py")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
+    ap.add_argument("--flash-next-tests-timeout", type=float, default=200,
+                    help="seconds at most for Flash-Next's GPU tests (--order ...,flash_next)")
+    ap.add_argument("--flash-next-site", default=os.environ.get("NINFER_TF_SITE", ""),
+                    help="a folder put first on PYTHONPATH for Flash-Next's parts only (a newer transformers: "
+                    "the device's 5.17 predates qwen4_exp's indexed_attention layers; docs/bench.md)")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -185,9 +190,14 @@ def main() -> int:
 
     def part_flash_next():
         left = a.budget - (time.monotonic() - t_start)
+        env = None
+        if a.flash_next_site:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [a.flash_next_site, *filter(None, [os.environ.get("PYTHONPATH", "")])]))
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             "plugins/flash_next/tests/test_flash_next_gpu.py"],
-                           os.path.join(a.out, "flash_next.log"), max(60, min(150, left - 120)))
+                           os.path.join(a.out, "flash_next.log"), max(60, min(a.flash_next_tests_timeout, left - 100)),
+                           env)
         summary.append(f"== Flash-Next GPU checks rc={rc} in {dt:.0f} s")
         summary.extend(ln for ln in text.splitlines() if ln.startswith("PARITY") or " passed" in ln
                        or " failed" in ln)
@@ -196,7 +206,7 @@ def main() -> int:
         left = a.budget - (time.monotonic() - t_start)
         js = os.path.join(a.out, "flash_next_bench.json")
         rc, dt, text = run([sys.executable, "-m", "ninfer_flash_next.gpu.bench", "--json", js],
-                           os.path.join(a.out, "flash_next_bench.log"), max(60, left - 10))
+                           os.path.join(a.out, "flash_next_bench.log"), max(60, left - 10), env)
         summary.append(f"== Flash-Next bench rc={rc} in {dt:.0f} s")
         start = text.find("flash-next bench")
         summary.append(text[start:].strip() if start >= 0 else text[-3000:])

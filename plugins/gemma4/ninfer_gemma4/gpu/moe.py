@@ -108,8 +108,10 @@ def experts_grouped(x, weights, index, gate_up, down, activation: str):
         _REFUSED.add(key)
         log.warning("torch._grouped_mm refused the Gemma 4 experts (%s); using the expert loop", str(e)[:200])
         return None
-    w_sorted = weights.reshape(-1)[order]
-    rows = (y.float() * w_sorted[:, None].float()).to(x.dtype)
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, order // k, rows.float())
-    return out.to(x.dtype)
+    # Back to pair order by a gather with the inverse permutation, then the k rows of a token summed
+    # in fp32: the index_add_ this replaces ran fp32 atomics over the chunk (18 ms of a 190 ms
+    # 26B-A4B prefill of 4096 tokens on the H200) where the gather is a plain copy.
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=x.device, dtype=order.dtype)
+    rows = (y[inv].float() * weights.reshape(-1, 1).float()).to(x.dtype)
+    return rows.view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
