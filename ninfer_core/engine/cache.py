@@ -613,20 +613,27 @@ class ContextCache:
         value = self._capture_value(tokens) if slot is None else 0.0
         if slot is not None:
             ckpt.device_slot = slot
-        elif (slot := self._device_slot(now, value)) is not None:
-            self.runner.copy_slot(seq.slot, slot)
-            ckpt.device_slot = slot
-        elif self._host_room(now, limit=value):
-            ckpt.image = self.runner.capture_state(seq.slot)
-            self.host_images += 1
-            self.counters["transfer_bytes"]["state_d2h"] += ckpt.image.nbytes
-        else:
+        elif not self._take_state(ckpt, seq.slot, now, value):
             self.counters["captures_skipped"] += 1
             return None
         ckpt.pages = self.pages.share(seq.pages[: pages_for(ckpt.frontier, self.page_size)])
         ckpt.refs = 1
         self.counters["checkpoints_captured"] += 1
         return ckpt
+
+    def _take_state(self, ckpt: Checkpoint, lane: int, now: float, value: float) -> bool:
+        """Copy lane `lane`'s state into a Device state slot for `ckpt`, else into a Host
+        StateImage; False when neither has room worth `value` (the capture is then skipped)."""
+        if (slot := self._device_slot(now, value)) is not None:
+            self.runner.copy_slot(lane, slot)
+            ckpt.device_slot = slot
+        elif self._host_room(now, limit=value):
+            ckpt.image = self.runner.capture_state(lane)
+            self.host_images += 1
+            self.counters["transfer_bytes"]["state_d2h"] += ckpt.image.nbytes
+        else:
+            return False
+        return True
 
     def _device_slot(self, now: float, limit: float = float("inf")) -> int | None:
         """A free Device state slot, demoting to Host the inactive image whose demotion costs least:
@@ -1038,18 +1045,11 @@ class ContextCache:
         # Demotions after the drops: Host pages the drops free may be what the copies need.
         demote = [ckpts[k] for k in plan.demote]
         if demote:
-            distinct = list(dict.fromkeys(p for c in demote for p in c.pages))
-            hids = self.host_pages.store(self.runner.read_pages(distinct))
-            where = dict(zip(distinct, hids))
+            self._pages_to_host(demote)
             for c in demote:
-                c.host_pages = self.host_pages.share([where[p] for p in c.pages])
-                self.pages.free(c.pages)
-                c.pages = []
                 for owner, _ in entries[c.id]:
                     touched[id(owner) if owner is not None else ("shared", c.id)] = \
                         "private_demoted" if owner is not None else "shared_degraded"
-            self.host_pages.free(hids)
-            self.counters["transfer_bytes"]["main_kv_d2h"] += len(distinct) * self.page_bytes
         for what in touched.values():
             if what == "shared_degraded":
                 self.counters["pressure"]["shared_owner_degraded"] += 1
@@ -1057,6 +1057,19 @@ class ContextCache:
                 self.counters["pressure"]["private_owner_degraded"] += 1
                 if what == "private_demoted":
                     self.counters["pressure"]["private_owner_demoted"] += 1
+
+    def _pages_to_host(self, demote: list[Checkpoint]) -> None:
+        """Move the demoted checkpoints' KV pages to Host copies (a page shared by several of them
+        is copied once) and give their Device pages back."""
+        distinct = list(dict.fromkeys(p for c in demote for p in c.pages))
+        hids = self.host_pages.store(self.runner.read_pages(distinct))
+        where = dict(zip(distinct, hids))
+        for c in demote:
+            c.host_pages = self.host_pages.share([where[p] for p in c.pages])
+            self.pages.free(c.pages)
+            c.pages = []
+        self.host_pages.free(hids)
+        self.counters["transfer_bytes"]["main_kv_d2h"] += len(distinct) * self.page_bytes
 
     def clear(self) -> None:
         """Release every retained owner (nothing active may hold a checkpoint then)."""
