@@ -9,6 +9,9 @@ written to its slot file and staged for the disk tier, read out a batch per boun
 (`between_rounds`, `drain_spills`), and everything resident is written at shutdown; a prompt with
 no resident prefix is seeded from disk (`_restore_from_disk`, --disk-kv-restore).
 
+The slot files (cache_slots) and the disk tier (cache_disk) copy through this module too
+(`state_copy`, `kv_copy`, `write_kv`, `install_state`, `state_layout`).
+
 DISK_WRITE_BATCH_PAGES and DISK_WRITE_DEADLINE_S are read from this module by every part of the
 catalog.
 """
@@ -16,7 +19,7 @@ catalog.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ninfer_core.engine.cache_planner import (
     HOST_RESUME_COST,
@@ -28,6 +31,7 @@ from ninfer_core.engine.cache_planner import (
 if TYPE_CHECKING:
     from ninfer_core.engine.cache_admission import ReusePlan
     from ninfer_core.engine.checkpoints import Checkpoint, Continuation
+    from ninfer_core.engine.model_api import StateImage
     from ninfer_core.engine.request import Sequence
 
 log = logging.getLogger("ninfer.engine.cache")
@@ -263,3 +267,38 @@ class TierMoves:
             cache_slots.install(self, idx, image, None, now)
         except Exception as e:  # noqa: BLE001 - a restore that fails recomputes the prompt
             log.warning("disk tier: restoring a %d-token session failed: %s", len(image.session), e)
+
+    # -- copies for the slot files and the disk tier -------------------------------------------
+    def state_copy(self, ckpt: Checkpoint) -> StateImage:
+        """A Host copy of a checkpoint's StateImage: its Host image, or a copy of its Device slot."""
+        return ckpt.image if ckpt.image is not None else self.runner.capture_state(ckpt.device_slot)
+
+    def kv_copy(self, ckpt: Checkpoint, idx: list[int] | None = None) -> dict[str, Any]:
+        """Host copies of a checkpoint's KV pages (all, or those at page indices `idx`), from its
+        Host KV pages or its Device pages."""
+        if ckpt.host_pages:
+            return self.host_pages.gather(ckpt.host_pages if idx is None else [ckpt.host_pages[i] for i in idx])
+        return self.runner.read_pages(ckpt.pages if idx is None else [ckpt.pages[i] for i in idx])
+
+    def write_kv(self, pages: list[int], kv: dict[str, Any]) -> None:
+        """Write Host copies of KV pages into Device pages (a restored slot file)."""
+        self.runner.write_pages(pages, kv)
+
+    def install_state(self, ckpt: Checkpoint, state: StateImage, now: float) -> bool:
+        """Give a restored checkpoint its StateImage: copied into a Device state slot, else kept as a
+        Host image; False when neither has room."""
+        slot_id = self._device_slot(now)
+        if slot_id is not None:
+            ckpt.device_slot = slot_id
+            self.runner.restore_state(state, slot_id)
+        elif self._host_room(now):
+            ckpt.image = state
+            self.host_images += 1
+        else:
+            return False
+        return True
+
+    def state_layout(self) -> dict[str, Any]:
+        """This model's StateImage tensors (a read-only copy of lane slot 0's), to check a restored
+        image against."""
+        return self.runner.capture_state(0).tensors
