@@ -232,7 +232,7 @@ def test_a_foreign_profile_never_sees_the_files(tmp_path):
 
 
 def test_an_evicted_conversation_is_read_out_in_batches_between_rounds(tmp_path, rng, monkeypatch):
-    import ninfer_core.engine.cache as cache_mod
+    import ninfer_core.engine.cache_tiers as cache_mod
 
     monkeypatch.setattr(cache_mod, "DISK_WRITE_BATCH_PAGES", 4)
     eng = make(tmp_path, kv_capacity=40 * 64)  # no page pressure: A stays on Device until evicted
@@ -264,7 +264,7 @@ def test_an_evicted_conversation_is_read_out_in_batches_between_rounds(tmp_path,
 
 
 def test_a_write_past_its_deadline_is_abandoned_and_the_prompt_recomputes(tmp_path, rng, monkeypatch):
-    import ninfer_core.engine.cache as cache_mod
+    import ninfer_core.engine.cache_tiers as cache_mod
 
     monkeypatch.setattr(cache_mod, "DISK_WRITE_DEADLINE_S", 0.0)
     eng = make(tmp_path)

@@ -283,7 +283,7 @@ class DiskTier:
             task = job.tasks[0]
             if task[0] == "pages":
                 take, rest = task[1][: budget - used], task[1][budget - used:]
-                data = _read_pages(cache, job.deepest, take)
+                data = cache.kv_copy(job.deepest, take)
                 for i, k in enumerate(take):
                     end = ps * (k + 1)
                     batch.append(("page", job.digests[end], {"index": k, "rows": ps,
@@ -298,11 +298,11 @@ class DiskTier:
                 f = c.frontier
                 batch.append(("page", key, {"index": f // ps, "rows": f % ps,
                                             "tokens": list(c.tokens[f - f % ps: f])},
-                              _read_pages(cache, c, [f // ps])))
+                              cache.kv_copy(c, [f // ps])))
                 used += 1
             else:
                 c, key, kind = task[1], task[2], task[3]
-                image = c.image if c.image is not None else cache.runner.capture_state(c.device_slot)
+                image = cache.state_copy(c)
                 batch.append(("state", key, {"frontier": c.frontier, "kind": kind,
                                              "tokens_sha": tokens_hash(c.tokens)}, dict(image.tensors)))
                 used += 1
@@ -534,10 +534,3 @@ class DiskTier:
 def _read(path: str) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def _read_pages(cache, ckpt, idx: list[int]) -> dict[str, Any]:
-    """Host copies of some of a checkpoint's KV pages (by page index), from Device or Host KV."""
-    if ckpt.host_pages:
-        return cache.host_pages.gather([ckpt.host_pages[i] for i in idx])
-    return cache.runner.read_pages([ckpt.pages[i] for i in idx])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 # The explicit capacity flags --no-prefix-reuse refuses, even when zero (spec "Server options").
 CAPACITY_FLAGS = ("device_state_slots", "host_state_slots", "host_kv_mib", "host_cache_mib",
@@ -113,3 +114,61 @@ def apply_cache_arguments(a: argparse.Namespace, eng) -> None:
     eng.reserve_continuation_pages = bool(getattr(a, "reserve_continuation_pages", False))
     artifact = getattr(a, "artifact", None)
     eng.disk_kv_model = os.path.basename(artifact) if artifact else "default"
+
+
+@dataclass
+class CacheCapacities:
+    """Resolved context-cache capacities (spec "Server options")."""
+
+    device_state_slots: int
+    host_state_slots: int
+    host_kv_bytes: int
+    max_private_continuations: int
+    max_shared_prefixes: int
+    max_long_anchors: int
+    auto_long_anchors: bool = False
+    long_anchor_spacing: int = 1024
+    branch_anchors: bool = False
+    endpoint_anchors: bool = True
+    host_cache_budget_bytes: int | None = None
+
+    @classmethod
+    def resolve(cls, options, state_bytes: int) -> CacheCapacities:
+        """From EngineOptions; `--host-cache-mib` derives the Host state/KV split.
+
+        Raises ValueError when the state footprint a budget implies exceeds half of it.
+        """
+        c = options.max_concurrency
+        auto = bool(getattr(options, "auto_long_anchors", False))
+        anchors = getattr(options, "max_long_anchors_per_continuation", None)
+        anchors = (4 if auto else 2) if anchors is None else anchors
+        private = getattr(options, "max_private_continuations", None) or 2 * c
+        shared = getattr(options, "max_shared_prefixes", None)
+        shared = max(c, 7) if shared is None else shared
+        dev = getattr(options, "device_state_slots", None)
+        dev = c if dev is None else dev
+        budget_mib = getattr(options, "host_cache_mib", None)
+        host_state = getattr(options, "host_state_slots", None)
+        host_kv_mib = getattr(options, "host_kv_mib", None)
+        budget = None
+        if budget_mib is not None:
+            budget = budget_mib * 2**20
+            host_state = (2 + anchors) * private + shared
+            if auto and anchors and state_bytes:
+                # Spend the remaining state headroom (under half the budget) on more anchors.
+                while (2 + anchors + 1) * private + shared <= budget // 2 // max(state_bytes, 1) \
+                        and anchors < 64:
+                    anchors += 1
+                host_state = (2 + anchors) * private + shared
+            if host_state * state_bytes > budget // 2:
+                raise ValueError(
+                    f"--host-cache-mib {budget_mib}: {host_state} Host StateImages of "
+                    f"{state_bytes} bytes exceed half of the budget")
+            host_kv = budget - host_state * state_bytes
+        else:
+            host_state = 8 if host_state is None else host_state
+            host_kv = (8192 if host_kv_mib is None else host_kv_mib) * 2**20
+        return cls(dev, host_state, host_kv, private, shared, anchors, auto,
+                   int(getattr(options, "long_anchor_spacing", 1024)),
+                   bool(getattr(options, "branch_anchors", False)),
+                   bool(getattr(options, "endpoint_anchors", True)), budget)

@@ -2,7 +2,8 @@
 
 Under pressure, inactive checkpoints are demoted to Host memory or evicted, chosen by the cost to
 rebuild them. This module decides *which*; it is pure (no model, no pools) so it is tested on its
-own (tests/test_cache_planner.py). `ninfer_core.engine.cache` builds the view and applies the plan.
+own (tests/test_cache_planner.py). `ninfer_core.engine.cache_admission` builds the view and applies
+the plan.
 
 The model of cost:
 

@@ -76,15 +76,11 @@ def collect(cache, slot: int, if_digest: str | None, compat: dict) -> SlotImage:
 
 def snapshot_continuation(cache, cont: Continuation, compat: dict) -> SlotImage:
     """A continuation's KV pages and StateImages as Host copies (slot files, the disk tier)."""
-    deepest = cont.deepest()
-    if deepest.host_pages:  # demoted to Host: the copy already is what a file holds
-        kv = cache.host_pages.gather(deepest.host_pages)
-    else:
-        kv = cache.runner.read_pages(deepest.pages)
+    kv = cache.kv_copy(cont.deepest())  # demoted to Host: the copy already is what a file holds
     ckpts = []
     for e in sorted(cont.entries, key=lambda e: e.ckpt.frontier):
         c = e.ckpt
-        image = c.image if c.image is not None else cache.runner.capture_state(c.device_slot)
+        image = cache.state_copy(c)
         ckpts.append({"kind": e.kind, "frontier": c.frontier, "state": dict(image.tensors)})
     return SlotImage(dict(compat), list(cont.session), ckpts, kv)
 
@@ -139,7 +135,7 @@ def install(cache, slot: int, image: SlotImage, filename: str, now: float) -> Co
     pages = cache.pages.allocate(n_pages)
     made: list[Checkpoint] = []
     try:
-        cache.runner.write_pages(pages, image.kv)
+        cache.write_kv(pages, image.kv)
         for c in image.checkpoints:
             f = c["frontier"]
             ckpt = Checkpoint(tuple(image.session[:f]), [], last_used=now)
@@ -148,14 +144,7 @@ def install(cache, slot: int, image: SlotImage, filename: str, now: float) -> Co
             made.append(ckpt)
             state = StateImage(c["state"])
             _validate_image(cache, state)
-            slot_id = cache._device_slot(now)
-            if slot_id is not None:
-                ckpt.device_slot = slot_id
-                cache.runner.restore_state(state, slot_id)
-            elif cache._host_room(now):
-                ckpt.image = state
-                cache.host_images += 1
-            else:
+            if not cache.install_state(ckpt, state, now):
                 raise slot_error("slot_restore_failed", "no StateImage capacity for the restored session")
     except BaseException as exc:
         for ckpt in made:
@@ -174,7 +163,7 @@ def install(cache, slot: int, image: SlotImage, filename: str, now: float) -> Co
 
 def _validate_image(cache, image: StateImage) -> None:
     """A Host image must have exactly the tensors (names, shapes, dtypes) of this model's state."""
-    ref = cache.runner.capture_state(0).tensors  # a read-only copy of lane slot 0's layout
+    ref = cache.state_layout()
     got = image.tensors
     if set(ref) != set(got) or any(tuple(ref[k].shape) != tuple(got[k].shape) or ref[k].dtype != got[k].dtype
                                    for k in ref):

@@ -146,3 +146,57 @@ def hints_from_chat_tokens(prompt: list[int], opener: int | None, system_first: 
     if len(starts) >= 2 and system_first is not False:
         hints.stable_prefix = starts[0]
     return hints
+
+
+def derive_hints(tokenizer, prompt: list[int], preserve_thinking: bool | None = None) -> CheckpointHints:
+    """Hints for a request that brought none: message starts at the turn opener of the tokenizer's
+    chat format (`ChatFormat.turn_opener`), when it states one and the tokenizer has it.
+
+    preserve_thinking (spec "Execution behavior") selects the turn closure: true, the current
+    response's opener, since every past reasoning block is rendered again as it ran; false or
+    unknown (the template default), the first assistant opener after the last user query, because
+    closing a tool loop re-renders its assistant turns without their reasoning. In an open tool loop
+    the current opener is kept as well (`rolling_closure`) for the loop's next step."""
+    from ninfer_core.tokenizer.chat_format import chat_format_of, token_id
+
+    fmt = chat_format_of(tokenizer)
+    opener = token_id(tokenizer, fmt.turn_opener)
+    if opener is None:
+        return CheckpointHints()
+    system = tokenizer.encode(fmt.system_role, allow_special=False) if hasattr(tokenizer, "encode") else []
+    system_first = bool(system) and prompt[:1] == [opener] and prompt[1: 1 + len(system)] == system
+    hints = hints_from_chat_tokens(prompt, opener, system_first)
+    if not preserve_thinking and hints.turn_closure is not None:
+        first = _open_turn_opener(tokenizer, fmt, prompt, opener)
+        if first is not None and first < hints.turn_closure:
+            hints.rolling_closure, hints.turn_closure = hints.turn_closure, first
+    return hints
+
+
+ROLE_WINDOW = 24  # tokens after the turn opener: enough to read a role and a tool result's opening
+
+
+def _open_turn_opener(tokenizer, fmt, prompt: list[int], opener: int) -> int | None:
+    """The position of the first assistant opener after the last user query (a user turn that is
+    not a tool result), or None when the roles cannot be read."""
+    decode = getattr(tokenizer, "decode", None)
+    if not callable(decode):
+        return None
+    last_query = None
+    openers: list[int] = []
+    user = fmt.user_role
+    for i, t in enumerate(prompt):
+        if t != opener:
+            continue
+        try:
+            head = decode(prompt[i + 1: i + 1 + ROLE_WINDOW], skip_special=False)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot decode gives no hint
+            return None
+        if head.startswith(fmt.assistant_role):
+            openers.append(i)
+        elif head.startswith(user) and not (
+                fmt.tool_result_open and head[len(user):].lstrip("\n").startswith(fmt.tool_result_open)):
+            last_query = i
+    if last_query is None:
+        return None
+    return next((i for i in openers if i > last_query), None)

@@ -3,7 +3,8 @@
 Each loop iteration is a boundary (cancellations, queue timeouts, admission), then decode rounds
 over every decode-ready lane as one batched forward, then one prefill chunk of the staged lane.
 `submit`, `cancel` and `snapshot` only touch bookkeeping under the engine lock, so the HTTP event
-loop never waits on a forward.
+loop never waits on a forward. The prefill unit is `engine_prefill`'s, the decode rounds
+`rounds`', the snapshot and the finish event `engine_report`'s.
 """
 
 from __future__ import annotations
@@ -17,65 +18,30 @@ import time
 import uuid
 from typing import Any
 
-import torch
-
 from ninfer_core.config import EngineOptions
 from ninfer_core.engine.api import EngineError, EngineEvent, GenerationRequest, Usage
 from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.cache_lease import build_page_leases, lease_window_tokens
 from ninfer_core.engine.detok import OutputText
-from ninfer_core.engine.media_side import segment_side
+from ninfer_core.engine.engine_prefill import prefill_chunk
+from ninfer_core.engine.engine_report import COUNTERS, UNIT_COUNTERS, finish_event, lane_tokens, snapshot
 from ninfer_core.engine.model_api import (
     PAGE_SIZE,
-    PREFILL,
-    ForwardBatch,
-    LaneSegment,
     ModelRunner,
     RunnerOptions,
 )
-from ninfer_core.engine.pages import PagePool, pages_for
+from ninfer_core.engine.pages import PagePool
 from ninfer_core.engine.recovery import Recovery
 from ninfer_core.engine.request import RequestHandle, Sequence, SeqStatus, post_batch
 from ninfer_core.engine.rounds import RoundDriver
-from ninfer_core.engine.sampler import SamplerState, sample, token_logprobs
+from ninfer_core.engine.sampler import SamplerState
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.slots import SlotPool
 from ninfer_core.engine.thinking import ThinkingControl
 from ninfer_core.structured.masks import MaskStage
 
 log = logging.getLogger("ninfer.engine")
-
-COUNTERS = ("requests_completed", "requests_cancelled", "requests_rejected", "requests_timed_out",
-            "requests_failed", "prompt_tokens_total", "generated_tokens_total")
-# Per-unit execution totals for GET /metrics and /v1/load (spec "Metrics"): they advance with every
-# prefill chunk and decode round, whichever request it served, not at request completion.
-UNIT_COUNTERS = ("computed_prefill_tokens", "prefill_seconds", "decode_seconds", "decode_rounds",
-                 "decode_row_rounds", "committed_decode_tokens", "prefix_cache_hit_tokens",
-                 "waiting_cancelled", "waiting_expired", "waiting_abandoned_seconds", "cancelled_prefills",
-                 "cancelled_prefill_computed_tokens", "context_transfer_seconds",
-                 # worker iterations that failed outside any one forward and were survived (spec
-                 # ninfer:engine_recoveries_total): the affected requests fail, the worker goes on
-                 "engine_recoveries",
-                 # speculative decoding, counted when a request completes (spec ninfer:draft_*_total;
-                 # llama.cpp's spec_decode_num_* series): drafted / accepted tokens, rounds with drafts
-                 "draft_tokens", "draft_accepted_tokens", "draft_rounds")
-
-
-def _context_report(seq: Sequence) -> dict | None:
-    """The finish event's context-cache facts: the reuse path, and the /slots cell and session
-    digest a completed session was retained under."""
-    source = getattr(seq, "cache_source", None)
-    if source is None:
-        return None
-    cont = getattr(seq, "retained", None)
-    report: dict = {"source": source, "cache_n": seq.cache_n}
-    mat = getattr(seq, "cache_materialization", None)
-    if mat is not None:  # the admission's context-cache decision (spec request_done.materialization)
-        report["materialization"] = dict(mat)
-    if cont is not None:
-        report.update(id_slot=cont.slot, session_digest=cont.digest)
-    return report
 
 
 class Engine:
@@ -240,43 +206,8 @@ class Engine:
             self._cv.notify_all()
 
     def snapshot(self) -> dict[str, Any]:
-        with self._cv:
-            s = self.scheduler
-            return {
-                "lanes_active": len(s.lanes),
-                "lanes_total": s.max_lanes,
-                "prefilling": len(s.staged()),
-                "decode_ready": len(s.decode_batch()),
-                "pages_total": s.pages.num_pages,
-                "pages_free": s.pages.num_free,
-                "page_size": self.page_size,
-                "slots_total": s.slots.num_slots,
-                "slots_free": s.slots.num_free,
-                "pending": len(s.waiting),
-                # GET /stats: the first 16 waiting requests in submission order.
-                "queue": [{"request_id": q.request_id, "position": i, "wait_seconds": time.monotonic() - q.t_submit}
-                          for i, q in zip(range(16), s.waiting)],
-                "outstanding": self._outstanding,
-                "capacity": self.capacity,
-                "kv_bytes": self.kv_bytes,
-                "state_bytes": self.state_bytes,
-                "counters": dict(self.counters),
-                # llama.cpp's n_tokens_max, and the pages running requests hold (the gateway's KV usage)
-                "n_tokens_max": max([self._n_tokens_max] + [_lane_tokens(q) for q in s.lanes]),
-                "pages_in_lanes": len({p for q in s.lanes for p in q.pages}),
-                "context_cache": self.cache.snapshot() if self.cache is not None else None,
-                "speculative": self.rounds.describe(),
-                "vision": dict(self.vision_counters, residency=self.vision.name) if self.vision is not None else None,
-                "failed": self.recovery.failure,
-                # the family's own counter blocks (GET /stats shows each under its name)
-                "model": self._model_counters(),
-            }
-
-    def _model_counters(self) -> dict[str, Any]:
-        try:
-            return dict(self.runner.counters() or {})
-        except Exception:  # noqa: BLE001 - a stats probe must answer even if a family's report fails
-            return {}
+        """Counters and pool occupancy, read under the engine's lock (engine_report.snapshot)."""
+        return snapshot(self)
 
     def slots_report(self, max_context: int) -> list[dict]:
         """GET /slots: one row per private continuation cell of the context cache (none without one),
@@ -425,7 +356,7 @@ class Engine:
         if staged is not None and staged.status is SeqStatus.PREFILL:
             self._boundary(admit=False)
             if staged.status is SeqStatus.PREFILL:
-                self._prefill_chunk(staged)
+                prefill_chunk(self, staged)
         if not self._flush_after_launch or self._launches == launches:
             self._flush()  # no forward will carry them out (e.g. an iteration of background cache work)
 
@@ -449,7 +380,7 @@ class Engine:
                         except Exception:  # a failed salvage only loses the cache
                             log.exception("context cache: salvaging request %s failed", seq.request_id)
                     self._end_locked(seq, "requests_cancelled")
-                    ended.append((seq, self._finish_event(seq, "cancelled", None)))
+                    ended.append((seq, finish_event(self, seq, "cancelled", None)))
             self._cancelled.clear()
             now = time.monotonic()
             for seq in self.scheduler.expired(now):
@@ -481,111 +412,6 @@ class Engine:
 
     def _decode(self, batch: list[Sequence]) -> None:
         self.rounds.run(batch)
-
-    @staticmethod
-    def _logprob_records(logits, seqs: list[Sequence], tokens: list[int], forced: list) -> list:
-        rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and forced[i] is None]
-        records = [None] * len(seqs)
-        if rows:
-            if logits.dim() == 1:
-                logits = logits.unsqueeze(0)
-            got = token_logprobs(logits[rows], [seqs[i].sampler for i in rows], [tokens[i] for i in rows],
-                                 [seqs[i].request.logprobs for i in rows])
-            for i, r in zip(rows, got):
-                records[i] = r
-        return records
-
-    def _prefill_chunk(self, seq: Sequence) -> None:
-        start = seq.num_cached
-        end = min(start + self.options.prefill_chunk, seq.prompt_len)
-        snap = None  # (frontier, reserved state slot): a capture inside this chunk
-        if self.cache is not None:
-            ahead = self.cache.splits_ahead(seq)
-            if ahead and ahead[0] < end:
-                with self._cv:
-                    slot = self.cache.reserve_capture_slot(seq, ahead[0], time.monotonic())
-                if slot is not None:
-                    # one forward leaves the frontier's state in the slot: no split, no copy
-                    snap = (ahead[0], slot)
-                    if len(ahead) > 1 and ahead[1] < end:
-                        end = ahead[1]
-                else:
-                    end = ahead[0]  # the chunk ends at the frontier; after_chunk copies the state
-        chunk = seq.prompt_ids[start: end]
-        pages = seq.pages[: pages_for(start + len(chunk), self.page_size)]
-        last = start + len(chunk) == seq.prompt_len
-        segment = LaneSegment(seq.slot, {g: pages for g in self.cache_spec.group_names}, start, chunk, PREFILL,
-                              "last" if last else "none", self.rounds.target_layers,
-                              snapshot=None if snap is None else (snap[0] - start, snap[1]))
-        t0 = time.monotonic()
-        try:
-            if seq.request.media is not None:
-                segment.side = segment_side(seq.request.media, start, len(chunk),
-                                            lambda item: self._media_rows(seq, item))
-            out = self.runner.forward(ForwardBatch([segment]))[0]
-            logits = out.logits
-            self._launches += 1
-            self._flush()
-            if last and seq.request.score_token_ids:
-                seq.scores = _log_probs_of(logits, seq.request.score_token_ids)
-            masked = self._masks.apply(logits[-1] if logits.dim() == 2 else logits, [seq]) if last else {}
-            if masked:
-                raise masked[0]
-            token = sample(logits, [seq.sampler])[0] if last and seq.max_tokens > 0 else None
-            record = None
-            if token is not None:
-                row = logits[-1:] if logits.dim() == 2 else logits
-                record = self._logprob_records(row, [seq], [token], [None])[0]
-        except Exception as exc:
-            log.exception("prefill failed for request %s", seq.request_id)
-            if snap is not None:
-                with self._cv:
-                    self.cache.release_capture_slot(snap[1])
-            self._fail(seq, exc)
-            return
-        self.rounds.observed(seq, start, out.hidden)
-        seq.num_cached += len(chunk)
-        if last:
-            seq.media_embeds = None  # the prompt is in the KV: its media embeddings are done with
-        with self._cv:
-            self.counters["computed_prefill_tokens"] += len(chunk)
-            self.counters["prefill_seconds"] += time.monotonic() - t0
-        if self.cache is not None and (snap is not None or not last):
-            with self._cv:
-                if snap is not None:
-                    self.cache.capture_reserved(seq, snap[0], snap[1], time.monotonic())
-                if not last:
-                    self.cache.after_chunk(seq, time.monotonic())
-        if not last:
-            if seq.request.progress:  # llama.cpp return_progress
-                self._post(seq, EngineEvent("progress", progress={"total": seq.prompt_len, "cache": seq.cache_n,
-                                                                  "processed": seq.num_cached}))
-            return
-        seq.t_first = time.monotonic()
-        if token is None:  # max_tokens == 0: prompt processing only
-            self._finish(seq, "length", "context" if seq.at_context else "max_tokens", "")
-            return
-        seq.status = SeqStatus.DECODE
-        self._commit(seq, token, record)
-
-    def _media_rows(self, seq: Sequence, item):
-        """An item's embeddings [tokens, hidden], encoded by the vision residency on first use."""
-        got = seq.media_embeds if seq.media_embeds is not None else {}
-        seq.media_embeds = got
-        k = id(item)
-        if k not in got:
-            if self.vision is None:
-                raise EngineError(400, "vision_disabled", "This server was started without --vision.")
-            t0 = time.monotonic()
-            got[k] = self.vision.encode(item)
-            with self._cv:
-                c = self.vision_counters
-                c["encodes"] += 1
-                c["encoded_tokens"] += item.tokens
-                c["encode_seconds"] += time.monotonic() - t0
-            seq.vision_encodes += 1
-            seq.vision_seconds += time.monotonic() - t0
-        return got[k]
 
     def _commit(self, seq: Sequence, token: int, record=None) -> None:
         """Append a sampled token, publish its text, and finish the request when it ends."""
@@ -654,7 +480,7 @@ class Engine:
     def _end_locked(self, seq: Sequence, counter: str) -> None:
         seq.spec_facts = self.rounds.facts(seq)  # before the backend forgets the request
         if seq.status in (SeqStatus.PREFILL, SeqStatus.DECODE):  # it held a lane
-            self._n_tokens_max = max(self._n_tokens_max, _lane_tokens(seq))
+            self._n_tokens_max = max(self._n_tokens_max, lane_tokens(seq))
         self.rounds.released(seq)
         self.scheduler.release(seq)
         self._outstanding -= 1
@@ -679,45 +505,7 @@ class Engine:
         if text or seq.unsent_ids:
             ids, seq.unsent_ids = seq.unsent_ids, []
             self._post(seq, EngineEvent("delta", token_ids=ids, text=text, logprobs=self._take_logprobs(seq)))
-        self._post(seq, self._finish_event(seq, reason, stop_reason))
-
-    def _finish_event(self, seq: Sequence, reason: str, stop_reason: str | None) -> EngineEvent:
-        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
-                      cached_tokens=seq.cache_n)
-        t = seq.timings() or {}
-        # Counts and rates only: a log line never carries prompt or output text.
-        # The completion line names the reuse path (spec: root, private_endpoint, ...) and cache=.
-        mat = getattr(seq, "cache_materialization", None)
-        log.info("request %s %s (%s): prompt %d tokens, cache=%d via %s, in %.0f ms, %d output tokens at %.1f tok/s%s",
-                 seq.request_id, reason, stop_reason or "-", seq.prompt_len, t.get("cache_n", 0) or 0,
-                 getattr(seq, "cache_source", None) or "root", t.get("prompt_ms", 0.0) or 0.0,
-                 len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0,
-                 # the admission's materialization decision, when it had to make room
-                 "" if not mat or mat["stop_reason"] == "no_pressure" else
-                 f" (best reuse {mat['best_reuse_prompt_tokens']}, degraded {mat['degradation_tokens']}, "
-                 f"search {mat['stop_reason']}{', maximal fallback' if mat['maximal_fallback'] else ''})")
-        spec = getattr(seq, "spec_facts", None) or self.rounds.facts(seq)
-        if spec is not None and (spec["rounds"] or spec["fallback_steps"]):
-            rate = spec["accepted_tokens"] / spec["drafted_tokens"] if spec["drafted_tokens"] else 0.0
-            log.info("request %s drafts: %d/%d accepted (%.2f) in %d rounds, %.2f accepted per drafted round, "
-                     "n-gram %d/%d in %d rounds, %d rounds without drafts", seq.request_id,
-                     spec["accepted_tokens"], spec["drafted_tokens"], rate, spec["rounds"],
-                     spec["accepted_tokens"] / spec["rounds"] if spec["rounds"] else 0.0,
-                     spec["ngram_accepted_tokens"], spec["ngram_drafted_tokens"], spec["ngram_rounds"],
-                     spec["fallback_steps"])
-        facts = seq.thinking.facts() if seq.thinking is not None else None
-        if facts is not None:  # the requested budget, and the effective one when it differs
-            budget = facts["budget_requested"]
-            if budget is not None and facts["budget_effective"] not in (None, budget):
-                budget = f"{budget} (effective {facts['budget_effective']})"
-            log.info("request %s thinking: budget %s, early close %s, %d reasoning tokens, post-thinking "
-                     "sampling %s", seq.request_id, budget, facts["early_close"], facts["reasoning_tokens"],
-                     facts["post_thinking_sampling"])
-        return EngineEvent("finish", finish_reason=reason, stop_reason=stop_reason, usage=usage,
-                           timings=seq.timings(), matched_stop=seq.output.matched_stop,
-                           scores=getattr(seq, "scores", None),
-                           thinking=seq.thinking.facts() if seq.thinking is not None else None,
-                           context=_context_report(seq), speculative=spec)
+        self._post(seq, finish_event(self, seq, reason, stop_reason))
 
     def _fail(self, seq: Sequence, exc: BaseException, status: int = 500) -> None:
         err = exc if isinstance(exc, EngineError) else self.recovery.error_for(exc) or EngineError(
@@ -741,13 +529,3 @@ class Engine:
             self._fail(seq, err)
 
 
-def _lane_tokens(seq: Sequence) -> int:
-    """Tokens a lane's sequence holds: the prompt processed so far, then prompt and output."""
-    return max(seq.num_cached, seq.prompt_len + len(seq.output_ids) if seq.output_ids else 0)
-
-
-def _log_probs_of(logits, token_ids: list[int]) -> list[float]:
-    """log-softmax over the whole vocabulary of the last row of `logits`, at `token_ids`."""
-    row = logits[-1] if logits.dim() > 1 else logits  # [vocab]
-    logp = torch.log_softmax(row.float(), dim=-1)
-    return logp[torch.tensor(token_ids, dtype=torch.long, device=logp.device)].tolist()

@@ -155,7 +155,7 @@ def _learn_tool_head(template: Any, tokenizer: Any, start_id: int, user_head: st
 def hints_from_markers(markers: TurnMarkers, tokenizer: Any, prompt: list[int],
                        preserve_thinking: bool | None = None) -> CheckpointHints:
     """CheckpointHints of a chat prompt rendered with the template `markers` were learned from:
-    the rules of `cache.derive_hints`, by the learned start token and role heads."""
+    the rules of `checkpoints.derive_hints`, by the learned start token and role heads."""
     occ = [i for i, t in enumerate(prompt) if t == markers.start_id]
     if not occ:
         return CheckpointHints()
