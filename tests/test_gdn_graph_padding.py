@@ -1,7 +1,7 @@
 """The padding that lets one CUDA Graph per bucket length run every GDN prefill chunk
 (ninfer_core.accel.fla_glue.padded_gdn_core): rows past the chunk get g = 0 and beta = 0, and
 whatever they hold, the real rows' outputs and the final state equal the unpadded chunk's. Here
-the graph body runs on the CPU with the plugin's torch chunk rule in fla's place."""
+the graph body runs on the CPU with core's torch chunk rule (ninfer_core.nn.gdn) in fla's place."""
 
 import torch
 
