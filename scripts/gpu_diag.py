@@ -71,7 +71,7 @@ def graph_time(fn, reps: int = 20) -> float:
 
 
 def part_gemv(res: dict) -> None:
-    from ninfer_qwen35.gpu.kernels import silu_mul
+    from ninfer_core.accel.kernels import silu_mul
 
     dev = "cuda"
     big = torch.randn(248320, 4096, dtype=torch.bfloat16, device=dev)

@@ -30,7 +30,7 @@ def test_gdn_prefill_recurrent_real_heads():
 
 def test_gdn_decode_matches_fla_fused_recurrent():
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
-    from ninfer_qwen35.gpu import kernels as K
+    from ninfer_core.accel import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(11)
     b, hk, hv, dk, dv = 4, 16, 32, 128, 128
@@ -58,8 +58,8 @@ def test_gdn_decode_matches_fla_fused_recurrent():
 
 def test_fla_prefill_matches_reference_with_initial_state():
     from ninfer_qwen35.config import Qwen35Config
-    from ninfer_qwen35.gdn import GatedDeltaNet
-    from ninfer_qwen35.gpu import fla_glue
+    from ninfer_core.nn.gdn import GatedDeltaNet
+    from ninfer_core.accel import fla_glue
     from ninfer_qwen35.gpu.random_model import RandomArtifact  # noqa: F401 (import check)
 
     if fla_glue.fla_chunk() is None:
@@ -79,7 +79,7 @@ def test_fla_prefill_matches_reference_with_initial_state():
     ssm_ref = ssm.clone()
     out = fla_glue.gdn_prefill(mod, conv_out, a_raw, b_raw, ssm, 2)
     # reference: the plugin's torch chunk rule in fp32
-    from ninfer_qwen35 import gdn as ref
+    from ninfer_core.nn import gdn as ref
 
     q, k, v = mod._qkv_heads(conv_out)
     gg, beta = fla_glue.gdn_gates(a_raw, b_raw, mod.A_log, mod.dt_bias)
@@ -99,8 +99,8 @@ def test_fla_prefill_graphs_match_eager():
     """GdnPrefillGraphs (one CUDA Graph per bucket, chunk padded at its end) against the eager fla
     call, over chunks that reuse a bucket with a stale longer tail, on the 27B GDN geometry."""
     from ninfer_qwen35.config import Qwen35Config
-    from ninfer_qwen35.gdn import GatedDeltaNet
-    from ninfer_qwen35.gpu import fla_glue
+    from ninfer_core.nn.gdn import GatedDeltaNet
+    from ninfer_core.accel import fla_glue
 
     if fla_glue.fla_chunk() is None:
         pytest.skip("fla not installed")

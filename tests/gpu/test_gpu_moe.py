@@ -45,7 +45,7 @@ def test_moe_decode_kernels_real_shape():
 
 
 def test_decode_experts_equal_the_expert_loop(moe):
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     mlp = moe.model.layers[0].mlp
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -69,7 +69,7 @@ def test_decode_experts_equal_the_expert_loop(moe):
 def test_grouped_mm_experts_equal_the_expert_loop(moe):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm (the expert loop runs)")
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     cases = pytest.importorskip("gpu_kernel_cases")
     cases.moe_grouped("cuda", e=256, hidden=2048, inter=512, k=8, n=1000, gmm=torch._grouped_mm)
@@ -89,7 +89,7 @@ def test_grouped_mm_experts_equal_the_expert_loop(moe):
 
 def test_moe_paths_do_not_synchronise(moe):
     """Neither the decode kernels nor the grouped prefill path read anything back to the host."""
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     mlp = moe.model.layers[1].mlp
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -148,7 +148,7 @@ def _cuda_ms(fn, reps=20):
 def test_moe_layer_timings_printed(moe):
     """Figures for the log only (no timed assertion): one MoE layer's decode (kernels vs the old
     gathered-copy bmm reference) and a 4096-token chunk (grouped GEMMs vs the expert loop)."""
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     mlp = moe.model.layers[2].mlp
     ex, se = mlp.experts, mlp.shared_expert

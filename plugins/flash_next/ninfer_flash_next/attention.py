@@ -1,4 +1,4 @@
-"""The Flash-Next full-attention layer: Qwen3.5's gated attention behind a block indexer (QSA).
+"""The Flash-Next full-attention layer: core's gated attention behind a block indexer (QSA).
 
 The indexer scores compressed key blocks for every query and keeps the best `budget / ratio`
 complete blocks plus the incomplete tail block; attention runs over the kept keys only. A query
@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 
 import torch
-from ninfer_qwen35.attention import GatedAttention, grouped_attention
-from ninfer_qwen35.layers import ZeroCenteredRMSNorm, apply_rotary
 from torch import nn
 
+from ninfer_core.nn.attention import GatedAttention, grouped_attention
+from ninfer_core.nn.layers import ZeroCenteredRMSNorm, apply_rotary
 from ninfer_flash_next.config import FlashNextConfig
 
 
@@ -82,7 +82,7 @@ class IndexedAttention(GatedAttention):
         q, gate, k, v = self.project(x, ctx.cos, ctx.sin)
         ps = ctx.cache.page_size
         dev = x.device
-        page_t, row_t = self.write_new_kv(ctx, k, v)  # Qwen3.5's write (per --kv-dtype)
+        page_t, row_t = self.write_new_kv(ctx, k, v)  # the gated attention's write (per --kv-dtype)
         k_cache, v_cache = ctx.cache.kv_views(self.layer_idx, q.dtype)
         iq = None
         if self.indexer is not None:

@@ -1,17 +1,16 @@
-"""The Flash-Next (qwen4_exp) configuration: the Qwen3.5 backbone's config plus what this family adds.
+"""The Flash-Next (qwen4_exp) configuration: the hybrid backbone's geometry plus what this family adds.
 
-The backbone part is parsed by ninfer_qwen35's `Qwen35Config` (its GDN, gated attention and MoE
-modules are reused as they are), with the checkpoint's "indexed_attention" layers read as the
-backbone's full-attention layers. Defaults are transformers' `Qwen4ExpTextConfig`. No torch here.
+The backbone part is a `ninfer_core.nn.config.HybridConfig` (core's GDN, gated attention and MoE
+layers are built from it), with the checkpoint's "indexed_attention" layers read as the backbone's
+full-attention layers. Defaults are transformers' `Qwen4ExpTextConfig`. No torch here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-from ninfer_qwen35.config import ConfigError, Qwen35Config
+from ninfer_core.nn.config import ConfigError, HybridConfig, RopeConfig
 
 ARCHITECTURES = ("qwen4_exp", "qwen4_exp_text")
 
@@ -32,7 +31,7 @@ _LAYER_STRIDE = 10007
 
 @dataclass(frozen=True)
 class FlashNextConfig:
-    base: Qwen35Config  # the backbone: GDN / full-attention layers, MoE widths, RoPE
+    base: HybridConfig  # the backbone: GDN / full-attention layers, MoE widths, RoPE
     hc_count: int
     hc_lowrank: int
     ple_layer_ids: tuple[int, ...]  # zero-based layer indices with a PLE module
@@ -112,8 +111,7 @@ class FlashNextConfig:
             raise ConfigError(f"unsupported Flash-Next layer types {sorted(unknown)}")
         # the backbone parser knows full_attention; which of them are indexed is the indexer's business
         text["layer_types"] = ["full_attention" if t != "linear_attention" else t for t in types]
-        base = Qwen35Config.from_hf(dict(text, model_type="qwen3_5_moe_text"), "qwen3_5_moe_text")
-        base = dataclasses.replace(base, architecture=arch, norm_topk_prob=bool(text.get("norm_topk_prob", True)))
+        base = _backbone(text, top, arch)
         hc = int(text.get("hc_count", 4))
         if hc <= 1:
             raise ConfigError(f"Flash-Next needs hc_count > 1, got {hc}")
@@ -158,6 +156,58 @@ class FlashNextConfig:
             seed=int(text.get("seed", 1234)), indexer=indexer, output_gate=gate,
             eos_token_id=None if eos is None else int(eos),
         )
+
+
+def _backbone(text: dict, top: dict, arch: str) -> HybridConfig:
+    """The GDN / attention / MoE geometry of a text config whose defaults are already filled in."""
+    n, heads, kv_heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"]), int(text["num_key_value_heads"])
+    if text.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"unsupported hidden_act {text.get('hidden_act')!r} (Flash-Next uses silu)")
+    eos = text.get("eos_token_id", top.get("eos_token_id"))
+    base = HybridConfig(
+        architecture=arch, vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+        num_hidden_layers=n, layer_types=tuple(text["layer_types"][:n]), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+        rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6), attention_bias=bool(text.get("attention_bias", False)),
+        rope=_parse_rope(text), max_position_embeddings=int(text["max_position_embeddings"]),
+        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim") or 4),
+        linear_key_head_dim=int(text.get("linear_key_head_dim") or 128),
+        linear_value_head_dim=int(text.get("linear_value_head_dim") or 128),
+        linear_num_key_heads=int(text.get("linear_num_key_heads") or 16),
+        linear_num_value_heads=int(text.get("linear_num_value_heads") or 32),
+        # tying follows the top-level config, as transformers does for the outer model
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        is_moe=True, num_experts=int(text["num_experts"]), num_experts_per_tok=int(text["num_experts_per_tok"]),
+        moe_intermediate_size=int(text["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(text["shared_expert_intermediate_size"]),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers") or 0),
+        eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),)),
+    )  # fmt: skip
+    if len(base.layer_types) != n:
+        raise ConfigError(f"layer_types has {len(base.layer_types)} entries for {n} layers")
+    if base.linear_num_value_heads % base.linear_num_key_heads:
+        raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if heads % kv_heads:
+        raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+    return base
+
+
+def _parse_rope(text: dict) -> RopeConfig:
+    """RoPE settings with transformers' precedence: rope_scaling replaces rope_parameters; keys
+    inside the dict win over top-level rope_theta / partial_rotary_factor (default 0.25)."""
+    params = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    rope_type = "default" if rope_type == "mrope" else rope_type
+    if rope_type not in ("default", "linear"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, linear)")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", text.get("rope_theta", 10000.0))),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+        rope_type=rope_type, factor=float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0,
+        mrope_section=tuple(int(s) for s in params.get("mrope_section", (11, 11, 10))),
+        mrope_interleaved=bool(params.get("mrope_interleaved", True)),
+    )
 
 
 def _splitmix64(v: int) -> int:

@@ -1,6 +1,6 @@
 """Routed-expert residency (`--expert-residency device|host|disk`) and the device expert cache.
 
-`device`: the fused expert banks are module parameters (ninfer_qwen35's `Experts`). `host`: the
+`device`: the fused expert banks are module parameters (`ninfer_core.nn.moe.Experts`). `host`: the
 banks stay in host memory (pinned on CUDA) and `disk`: they stay in the artifact's file, read per
 expert with pread when one is needed. Either way a device cache of `--expert-cache-mib` holds the
 most recently used experts (LRU over (layer, expert)); a routed expert found there is a hit, a

@@ -1,6 +1,6 @@
 """FlashNextFamily: builds a Flash-Next runner from an artifact, with its residency options.
 
-Loading follows ninfer_qwen35's family: modules on the meta device, then the artifact's
+Loading follows gpt-fast (`ninfer_core.nn.loading`): modules on the meta device, then the artifact's
 memory-mapped tensors assigned by name (`model.` or `model.language_model.` prefix; per-expert
 weights fused). Two kinds of tensors are not assigned: the n-gram tables (`...ple_embedding.
 ngram_embedding[.shard_N].weight`, read per pass from the file: see rows.py) and, with host or disk
@@ -13,12 +13,12 @@ import os
 import re
 
 import torch
-from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
-from ninfer_qwen35.family import LoadError, _assign, _eos_ids, _fuse_experts
-from ninfer_qwen35.mtp import MtpHead
 
 from ninfer_core.accel import resolve_dtype
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.nn.loading import LoadError, assign_weights, eos_token_ids, fuse_experts
+from ninfer_core.nn.mtp import MtpHead
+from ninfer_flash_next.chat import FLASH_NEXT_CHAT_FORMAT, FLASH_NEXT_TEMPLATE, SAMPLING_PRESETS
 from ninfer_flash_next.config import FlashNextConfig
 from ninfer_flash_next.experts import (
     MISSES,
@@ -52,10 +52,10 @@ def _opt(options, name):
 
 class FlashNextFamily(ModelFamily):
     name = "flash_next"
-    chat_template = QWEN35_TEMPLATE  # the Qwen3.5 chat format (turns, <think>, XML tool calls)
+    chat_template = FLASH_NEXT_TEMPLATE  # the Qwen3.5 markup (turns, <think>, XML tool calls): chat.py
 
     def chat_format(self, artifact):
-        return QWEN35_CHAT_FORMAT
+        return FLASH_NEXT_CHAT_FORMAT
 
     def sampling_presets(self, architecture: str) -> dict | None:
         return {k: dict(v) for k, v in SAMPLING_PRESETS.items()}
@@ -103,7 +103,7 @@ class FlashNextFamily(ModelFamily):
         skip = {"lm_head.weight"} if tied else set()
         if residency != "device":
             skip |= {n for n, _ in model.named_parameters() if ".mlp.experts." in n}
-        _assign(model, _fuse_experts(state), run_dtype, dev, skip=skip)
+        assign_weights(model, fuse_experts(state), run_dtype, dev, skip=skip)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rotary(dev)
@@ -120,14 +120,14 @@ class FlashNextFamily(ModelFamily):
         if mtp_names:
             with torch.device("meta"):
                 mtp = MtpHead(cfg.base)
-            _assign(mtp, _fuse_experts({n.removeprefix("mtp."): artifact.get_tensor(n) for n in mtp_names}),
+            assign_weights(mtp, fuse_experts({n.removeprefix("mtp."): artifact.get_tensor(n) for n in mtp_names}),
                     run_dtype, dev)
-        if dev.type == "cuda":  # ninfer_qwen35's GDN kernels (Triton conv + delta step, fla prefill)
+        if dev.type == "cuda":  # core's GDN kernels (Triton conv + delta step, fla prefill)
             from ninfer_flash_next.gpu.gdn import use_kernels
 
             use_kernels(model)
         tok = getattr(artifact, "tokenizer_section", None)
-        eos = _eos_ids(tok) if isinstance(tok, dict) else ()
+        eos = eos_token_ids(tok) if isinstance(tok, dict) else ()
         return FlashNextRunner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, extras=extras)
 
     # ---- the n-gram tables --------------------------------------------------------------------
@@ -226,7 +226,7 @@ class FlashNextFamily(ModelFamily):
             entries = dict(experts.get(layer, []))
             pre = f"layers.{layer}.mlp.experts"
             if residency == "host":
-                fused = _fuse_experts({short: artifact.get_tensor(n) for short, n in entries.items()})
+                fused = fuse_experts({short: artifact.get_tensor(n) for short, n in entries.items()})
                 try:
                     gu, dn = fused[pre + ".gate_up_proj"], fused[pre + ".down_proj"]
                 except KeyError:
@@ -278,12 +278,11 @@ def _read_hot_profile(path) -> list[int]:
 def _random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
     """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as the
     loader asks (`ninfer bench`, the GPU checks; nothing is written)."""
-    from ninfer_qwen35.testing import minimal_tokenizer_section
-
     from ninfer_flash_next.gpu.random_model import RandomArtifact
+    from ninfer_flash_next.testing import minimal_tokenizer_section
 
     kw.setdefault("tokenizer_section", minimal_tokenizer_section())
-    kw.setdefault("chat_template", QWEN35_TEMPLATE)
+    kw.setdefault("chat_template", FLASH_NEXT_TEMPLATE)
     dev = torch.device(device)
     return RandomArtifact(hf_config, device=dev, dtype=kw.pop("dtype", resolve_dtype(None, dev)), seed=seed, **kw)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ninfer_qwen35.gdn import GatedDeltaNet
-from ninfer_qwen35.layers import RotaryEmbedding
-from ninfer_qwen35.moe import SparseMoeBlock
 from torch import nn
 
+from ninfer_core.nn.gdn import GatedDeltaNet
+from ninfer_core.nn.layers import RotaryEmbedding
+from ninfer_core.nn.moe import SparseMoeBlock
 from ninfer_flash_next.attention import IndexedAttention
 from ninfer_flash_next.config import FlashNextConfig
 from ninfer_flash_next.hyper import GatedResidual
@@ -24,7 +24,7 @@ from ninfer_flash_next.ple import PLELayer
 
 class SigmoidGatedRMSNorm(nn.Module):
     """The GDN output norm with a sigmoid gate (output_gate_type "sigmoid"); same rounding points
-    as ninfer_qwen35's silu-gated one."""
+    as core's silu-gated one (`ninfer_core.nn.layers.GatedRMSNorm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -77,8 +77,8 @@ class FlashNextModel(nn.Module):
         self.cfg, self.fcfg = base, cfg
         self.embed_tokens = nn.Embedding(base.vocab_size, base.hidden_size)
         self.layers = nn.ModuleList(FlashDecoderLayer(cfg, i) for i in range(base.num_hidden_layers))
-        # the whole model: the Qwen3.5 runner this family's runner builds on reads these (a pipeline
-        # stage of Qwen3.5 holds a range); Flash-Next serves no pipeline stages (pipeline_layers 0)
+        # the whole model: the hybrid runner this family's runner builds on reads these (a pipeline
+        # stage of another family holds a range); Flash-Next serves no pipeline stages (pipeline_layers 0)
         self.layer_range = range(base.num_hidden_layers)
         self.first = self.last = True
         self.hyper_connection_mixer = GatedResidual(base.hidden_size, cfg.hc_count, cfg.hc_lowrank,
@@ -94,7 +94,7 @@ class FlashNextModel(nn.Module):
     def forward(self, tokens: torch.Tensor, ctx, collect: tuple[int, ...] = (),
                 embeds: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [N] -> final hidden states [N, hidden] (the input of lm_head). `hidden` (a
-        pipeline stage's input in the Qwen3.5 runner's call) is never given: no stages here.
+        pipeline stage's input in the hybrid runner's call) is never given: no stages here.
 
         `collect`: layers whose output is stored in `ctx.layer_outputs` as the mean of the streams."""
         if hidden is not None:

@@ -1,7 +1,7 @@
 """FlashNextRunner: the ModelRunner of Flash-Next (CPU reference path; the GPU runs it on CUDA).
 
-The forward contract, verify/commit, the MTP draft head and the context cache are Qwen3.5's
-runner's (`ninfer_qwen35.runner.Qwen35Runner`); this family adds to its cache:
+The forward contract, verify/commit, the MTP draft head and the context cache are core's hybrid
+runner's (`ninfer_core.engine.hybrid_runner.HybridRunner`); this family adds to its cache:
 - KV pages: beside K and V, the indexer's raw keys of every full-attention layer
   ([num_pages, page_size, indexer_head_dim]), so checkpoints and slot files carry them;
 - state slots: per PLE layer the n-gram context (last n - 1 token ids, EOS for a fresh lane) and
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from ninfer_qwen35.context import CacheTensors
-from ninfer_qwen35.runner import ATTN_GROUP, Qwen35Runner
 
+from ninfer_core.engine.hybrid_runner import ATTN_GROUP, HybridRunner
 from ninfer_core.engine.model_api import PAGE_SIZE, CacheSpec, KVGroup
+from ninfer_core.nn.context import CacheTensors
 from ninfer_flash_next.config import FlashNextConfig
 
 
@@ -36,7 +36,7 @@ class FlashCacheTensors(CacheTensors):
         return out
 
 
-class FlashNextRunner(Qwen35Runner):
+class FlashNextRunner(HybridRunner):
     def __init__(self, model, fcfg: FlashNextConfig, device, dtype, mtp=None, eos_token_ids=(), extras=None):
         super().__init__(model, fcfg.base, device, dtype, mtp=mtp, eos_token_ids=eos_token_ids)
         self.fcfg = fcfg

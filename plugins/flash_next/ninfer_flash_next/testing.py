@@ -5,18 +5,34 @@ hyper-connection streams, one PLE layer, a top-k MoE with a shared expert) with 
 small n-gram vocabulary and an indexer budget of 8 keys in blocks of 4 (dense up to 11 keys), so
 short prompts cross the sparse threshold. `hf_model` draws weights with transformers' own
 `Qwen4ExpForCausalLM`; `write_hf_checkpoint` saves a Hugging Face directory (with a byte-level
-tokenizer carrying the Qwen control tokens); `build_tiny_artifact` converts one with `ninfer convert`.
+tokenizer carrying the chat format's control tokens); `build_tiny_artifact` converts one with `ninfer convert`.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
 
-from ninfer_qwen35.testing import _MINIMAL_ADDED, _MINIMAL_PATTERN
-
 EOS_ID = 258  # <|im_end|> in the byte-level tokenizer (256 + 2)
+
+# The control and marker tokens of the chat format (chat.py), so its template renders with the
+# byte-level tokenizer: ids 256.. in this order.
+_MINIMAL_ADDED = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
+    ("</tool_response>", False), ("<think>", False), ("</think>", False),
+]  # fmt: skip
+_MINIMAL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def minimal_tokenizer_section() -> dict:
+    """A byte-level tokenizer section: 256 byte tokens, then the chat format's control tokens (ids 256..)."""
+    ranks = "\n".join(f"{base64.b64encode(bytes([i])).decode()} {i}" for i in range(256)) + "\n"
+    added = [{"id": 256 + i, "content": c, "special": s} for i, (c, s) in enumerate(_MINIMAL_ADDED)]
+    return {"type": "bpe", "ranks": ranks, "pattern": _MINIMAL_PATTERN, "added_tokens": added,
+            "eos_tokens": ["<|im_end|>", "<|endoftext|>"], "pad_token": "<|endoftext|>", "bos_token": None}
 
 
 def tiny_config(num_layers: int = 4, vocab_size: int = 512, mtp: bool = False, **over) -> dict:
@@ -110,11 +126,11 @@ def write_hf_checkpoint(path, seed: int = 0, mtp: bool = False, **over) -> Path:
     model = hf_model(config, seed=seed)
     model.save_pretrained(path, safe_serialization=True)
     if mtp:  # transformers has no MTP module for qwen4_exp: the block is Qwen3.5-MoE's MTP layout
-        from ninfer_qwen35.testing import _layer_shapes, random_tensor
+        from ninfer_core.nn.testing import decoder_layer_shapes, random_tensor
 
         weights = load_file(path / "model.safetensors")
         h = config["hidden_size"]
-        shapes = _layer_shapes(config, "mtp.layers.0.", "full_attention")
+        shapes = decoder_layer_shapes(config, "mtp.layers.0.", "full_attention")
         shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
                        "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,)})
         for name, shape in shapes.items():
@@ -171,9 +187,9 @@ def hf_from_artifact(artifact):
             fused.setdefault(base, []).append((int(key.split(".shard_")[1].split(".")[0]), state.pop(key)))
     for base, parts in fused.items():
         state[base] = torch.cat([t for _, t in sorted(parts)])
-    from ninfer_qwen35.family import _fuse_experts
+    from ninfer_core.nn.loading import fuse_experts
 
-    state = _fuse_experts(state)
+    state = fuse_experts(state)
     missing = set(sd) - set(state)
     unexpected = set(state) - set(sd)
     assert not missing and not unexpected, (sorted(missing)[:5], sorted(unexpected)[:5])

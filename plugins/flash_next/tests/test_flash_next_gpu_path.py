@@ -1,4 +1,4 @@
-"""The GPU path's pieces, on the CPU: the GDN kernel glue (ninfer_qwen35's kernels, which run
+"""The GPU path's pieces, on the CPU: the GDN kernel glue (core's kernels, ninfer_core.accel, which run
 their torch references here) gives the reference logits through prefill, decode and verify; the
 bench's random artifact loads through the family's own loader and transformers' model sharing the
 runner's tensors gives the same logits (so `ninfer bench` compares like with like)."""

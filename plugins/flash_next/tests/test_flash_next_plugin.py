@@ -5,7 +5,8 @@ import argparse
 import pytest
 from ninfer_flash_next.config import FlashNextConfig
 from ninfer_flash_next.testing import tiny_config
-from ninfer_qwen35.config import ConfigError
+
+from ninfer_core.nn.config import ConfigError
 
 
 def test_registrations():

@@ -3,11 +3,13 @@
 Accepts both shapes HF uses: the multimodal `Qwen3_5(Moe)Config` with the language model under
 `text_config`, and the flat text-only config of `Qwen3_5(Moe)ForCausalLM`. Missing keys take the
 defaults of transformers' `Qwen3_5TextConfig` / `Qwen3_5MoeTextConfig`. No torch import here.
+
+The dataclass and `ConfigError` are core's (`ninfer_core.nn.config`); this module adds the parser.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ninfer_core.nn.config import ConfigError, HybridConfig, RopeConfig
 
 MOE_ARCHITECTURES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -37,75 +39,8 @@ _MOE_DEFAULTS = {
 }
 
 
-class ConfigError(ValueError):
-    """The stored config cannot describe a Qwen3.5 model this plugin can run."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    partial_rotary_factor: float
-    rope_type: str = "default"
-    factor: float = 1.0  # linear scaling factor
-    mrope_section: tuple[int, ...] = (11, 11, 10)
-    mrope_interleaved: bool = True
-
-
-@dataclass(frozen=True)
-class Qwen35Config:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    layer_types: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    attention_bias: bool
-    rope: RopeConfig
-    max_position_embeddings: int
-    linear_conv_kernel_dim: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    tie_word_embeddings: bool
-    intermediate_size: int = 0  # dense MLP width (0 for MoE models)
-    is_moe: bool = False
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    mtp_num_hidden_layers: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    extra: dict = field(default_factory=dict)
-
-    # ---- derived geometry -------------------------------------------------------------------
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rope.partial_rotary_factor)
-
-    @property
-    def gdn_key_dim(self) -> int:
-        return self.linear_key_head_dim * self.linear_num_key_heads
-
-    @property
-    def gdn_value_dim(self) -> int:
-        return self.linear_value_head_dim * self.linear_num_value_heads
-
-    @property
-    def gdn_conv_dim(self) -> int:
-        return 2 * self.gdn_key_dim + self.gdn_value_dim
-
-    @property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @property
-    def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+class Qwen35Config(HybridConfig):
+    """The hybrid geometry (ninfer_core.nn.config) read with Qwen3.5's keys and defaults."""
 
     @classmethod
     def from_hf(cls, hf_config: dict, architecture: str | None = None) -> Qwen35Config:

@@ -15,7 +15,10 @@ import re
 import torch
 
 from ninfer_core.accel import resolve_dtype  # noqa: F401  (re-exported: tests and tools import it here)
+from ninfer_core.engine.hybrid_runner import HybridRunner
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.nn.loading import LoadError, assign_weights, eos_token_ids, fuse_experts
+from ninfer_core.nn.mtp import MtpHead
 from ninfer_core.quant.kv import kv_format
 from ninfer_core.quant.transform import (
     apply_load_encodings,
@@ -24,23 +27,12 @@ from ninfer_core.quant.transform import (
     quantize_model,
     set_weight,
 )
-from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_qwen35.chat import QWEN35_CHAT_FORMAT, QWEN35_TEMPLATE, SAMPLING_PRESETS
 from ninfer_qwen35.config import Qwen35Config
 from ninfer_qwen35.model import Qwen35TextModel
-from ninfer_qwen35.mtp import MtpHead
-from ninfer_qwen35.runner import Qwen35Runner
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
-_PER_EXPERT = re.compile(
-    r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
-
 log = logging.getLogger("ninfer.qwen35")
-
-
-class LoadError(ValueError):
-    """The artifact's tensors do not fit the model its config describes."""
 
 
 class Qwen35Family(ModelFamily):
@@ -53,7 +45,7 @@ class Qwen35Family(ModelFamily):
     def sampling_presets(self, architecture: str) -> dict | None:
         return {k: dict(v) for k, v in SAMPLING_PRESETS.items()}
 
-    def load(self, artifact, device: str = "cpu", dtype: str | None = None, options=None) -> Qwen35Runner:
+    def load(self, artifact, device: str = "cpu", dtype: str | None = None, options=None) -> HybridRunner:
         dev = torch.device(device)
         run_dtype = resolve_dtype(dtype, dev)
         cfg = Qwen35Config.from_hf(artifact.config, getattr(artifact, "architecture", None))
@@ -69,7 +61,7 @@ class Qwen35Family(ModelFamily):
         tied = cfg.tie_word_embeddings or ("lm_head.weight" not in state and "lm_head.weight" not in encoded)
         if tied:
             state.pop("lm_head.weight", None)
-        _assign(model, state, run_dtype, dev, skip=set(encoded) | ({"lm_head.weight"} if tied else set()))
+        assign_weights(model, state, run_dtype, dev, skip=set(encoded) | ({"lm_head.weight"} if tied else set()))
         _assign_encoded(model, encoded)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
@@ -83,11 +75,11 @@ class Qwen35Family(ModelFamily):
             with torch.device("meta"):
                 mtp = MtpHead(cfg)
             mtp_state = {n.removeprefix("mtp."): artifact.get_tensor(n) for n in mtp_names}
-            _assign(mtp, _fuse_experts(mtp_state), run_dtype, dev)
+            assign_weights(mtp, fuse_experts(mtp_state), run_dtype, dev)
         eos = ()
         tok = getattr(artifact, "tokenizer_section", None)
         if isinstance(tok, dict):
-            eos = _eos_ids(tok)
+            eos = eos_token_ids(tok)
         kv = kv_format(getattr(options, "kv_dtype", None))
         extra = dict(kv_format=kv, gdn_state_fp16=bool(getattr(options, "gdn_state_fp16", False)))
         if dev.type == "cuda" and not kv.quantized:  # the fast path: fused projections, Triton/fla kernels, graphs
@@ -97,7 +89,7 @@ class Qwen35Family(ModelFamily):
         if dev.type == "cuda":
             log.warning("--kv-dtype %s: the CUDA attention kernels read bf16 pages only; this model runs the "
                         "reference path on the device (slow)", kv.name)
-        return Qwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
+        return HybridRunner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
 
     # ---- pipeline stages (ninfer_core.engine.pipeline; model_api's StageRunner contract) ---------
     def pipeline_layers(self, artifact) -> int:
@@ -142,17 +134,17 @@ class Qwen35Family(ModelFamily):
         with torch.device("meta"):
             model = Qwen35TextModel(cfg, layers)
         share = first and last and tied
-        _assign(model, keep, run_dtype, dev, skip={"lm_head.weight"} if share else set())
+        assign_weights(model, keep, run_dtype, dev, skip={"lm_head.weight"} if share else set())
         if share:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rotary(dev)
         tok = getattr(artifact, "tokenizer_section", None)
-        eos = _eos_ids(tok) if isinstance(tok, dict) else ()
+        eos = eos_token_ids(tok) if isinstance(tok, dict) else ()
         if dev.type == "cuda":  # the fast path's kernels, eager (a stage captures no decode graph)
             from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
             return GpuQwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
-        return Qwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+        return HybridRunner(model, cfg, dev, run_dtype, eos_token_ids=eos)
 
     # ---- vision (model.visual.*; ninfer_core.media) ---------------------------------------------
     def media_processor(self, artifact):
@@ -203,7 +195,7 @@ def _text_state(artifact, names: list[str], cfg: Qwen35Config) -> dict[str, torc
             state[n[len(prefix) :]] = artifact.get_tensor(n)
         elif n == "lm_head.weight":
             state[n] = artifact.get_tensor(n)
-    return _fuse_experts(state)
+    return fuse_experts(state)
 
 
 def _encoded_state(artifact, names: list[str], dtype, device) -> dict:
@@ -218,7 +210,7 @@ def _encoded_state(artifact, names: list[str], dtype, device) -> dict:
     for n in enc_names:
         key = n.removeprefix(prefix)
         state[key] = encoded_weight(artifact, n, dtype, device)
-    return _fuse_experts(state)
+    return fuse_experts(state)
 
 
 def _assign_encoded(module: torch.nn.Module, encoded: dict) -> None:
@@ -230,53 +222,3 @@ def _assign_encoded(module: torch.nn.Module, encoded: dict) -> None:
         if tuple(w.shape) != tuple(p.shape):
             raise LoadError(f"{name}: stored shape {tuple(w.shape)}, config expects {tuple(p.shape)}")
         set_weight(module, name, w)
-
-
-def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert MoE weights -> the fused [E, 2I, H] / [E, H, I] parameters (a copy)."""
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for n in [n for n in state if _PER_EXPERT.match(n)]:
-        m = _PER_EXPERT.match(n)
-        groups.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = state.pop(n)
-    for pre, projs in groups.items():
-        try:
-            e = len(projs["gate_proj"])
-            gate = [projs["gate_proj"][i] for i in range(e)]
-            up = [projs["up_proj"][i] for i in range(e)]
-            down = [projs["down_proj"][i] for i in range(e)]
-        except KeyError as exc:
-            raise LoadError(f"{pre}: incomplete per-expert weights (missing {exc})") from None
-        state[pre + ".gate_up_proj"] = _stack([torch.cat([g, u]) for g, u in zip(gate, up)])
-        state[pre + ".down_proj"] = _stack(down)
-    return state
-
-
-def _stack(parts: list):
-    if isinstance(parts[0], QuantizedWeight):  # encoded experts: stack the packed rows and scales
-        f = parts[0]
-        return QuantizedWeight(torch.stack([p.qdata for p in parts]), torch.stack([p.scale for p in parts]),
-                               f.enc, f.in_features, f.dtype)
-    return torch.stack(parts)
-
-
-def _assign(module: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, skip=()) -> None:
-    expected = {n: p for n, p in module.named_parameters() if n not in skip}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise LoadError(
-            f"weights do not match the config: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
-    for name, param in expected.items():
-        t = state[name]
-        if tuple(t.shape) != tuple(param.shape):
-            raise LoadError(f"{name}: stored shape {tuple(t.shape)}, config expects {tuple(param.shape)}")
-        owner, _, leaf = name.rpartition(".")
-        mod = module.get_submodule(owner) if owner else module
-        setattr(mod, leaf, torch.nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
-
-
-def _eos_ids(section: dict) -> tuple[int, ...]:
-    by_text = {t.get("content"): t.get("id") for t in section.get("added_tokens", [])}
-    return tuple(by_text[e] for e in section.get("eos_tokens", []) if by_text.get(e) is not None)

@@ -1,5 +1,7 @@
 """The Qwen3.5 text model (dense or MoE): embeddings, hybrid GDN / gated-attention stack, head.
 
+The layers are core's hybrid building blocks (`ninfer_core.nn`); this module assembles them.
+
 Module and parameter names follow the Hugging Face checkpoint under its text prefix
 (`layers.3.self_attn.q_proj.weight` ...), so loading is a rename of the prefix only.
 """
@@ -10,32 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer_qwen35.attention import GatedAttention
+from ninfer_core.nn.context import ForwardContext
+from ninfer_core.nn.decoder import DecoderLayer
+from ninfer_core.nn.layers import RotaryEmbedding, ZeroCenteredRMSNorm
 from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.context import ForwardContext
-from ninfer_qwen35.gdn import GatedDeltaNet
-from ninfer_qwen35.layers import RotaryEmbedding, ZeroCenteredRMSNorm, make_mlp
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen35Config, layer_idx: int, layer_type: str | None = None):
-        super().__init__()
-        self.layer_type = layer_type or cfg.layer_types[layer_idx]
-        if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
-        else:
-            self.self_attn = GatedAttention(cfg, layer_idx)
-        self.mlp = make_mlp(cfg)
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.mixer(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class AbsentLayer(nn.Module):

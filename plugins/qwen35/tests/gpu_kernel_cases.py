@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer_qwen35.gpu import kernels as K
+from ninfer_core.accel import kernels as K
 
 
 def act_dtype(device) -> torch.dtype:
@@ -99,7 +99,7 @@ def gdn_decode(device="cpu", hk=2, hv=4, dk=32, dv=64, batch=3, tol=1e-4):
 def gdn_prefill_recurrent(device="cpu", hk=2, hv=4, dk=32, dv=64, tol=1e-4):
     """The short-chunk recurrent GDN kernel against the per-token reference and against the chunked
     reference (the math fla runs for long chunks)."""
-    from ninfer_qwen35 import gdn as ref_gdn
+    from ninfer_core.nn import gdn as ref_gdn
 
     gen = torch.Generator(device=device).manual_seed(21)
     conv = 2 * hk * dk + hv * dv
@@ -264,7 +264,7 @@ def moe_decode(device="cpu", e=16, hidden=320, inter=96, k=4, ns=(1, 3, 8), tol=
     """moe_kernels.moe_decode (gate/up+SiLU*up, down+combine+gated shared expert) against the
     gathered-expert reference, with and without the shared expert, with repeated experts across
     rows, and with a shared expert of another width (torch path)."""
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     gen = torch.Generator(device=device).manual_seed(21)
     dt = act_dtype(device)
@@ -293,7 +293,7 @@ def moe_decode(device="cpu", e=16, hidden=320, inter=96, k=4, ns=(1, 3, 8), tol=
 def moe_grouped(device="cpu", e=16, hidden=320, inter=96, k=4, n=70, tol=1e-2, gmm=None):
     """The grouped-GEMM expert path (sorted pairs, device offsets) against the expert loop, with
     experts that got no tokens; `gmm` None = the loop stand-in for torch._grouped_mm."""
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     gen = torch.Generator(device=device).manual_seed(23)
     dt = act_dtype(device) if gmm is None else torch.bfloat16
@@ -324,7 +324,7 @@ def _expert_loop(x, top_w, top_i, gate_up, down):
     """moe.Experts.forward_loop on these tensors."""
     from types import SimpleNamespace
 
-    from ninfer_qwen35.moe import Experts
+    from ninfer_core.nn.moe import Experts
 
     ex = SimpleNamespace(num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down)
     return Experts.forward_loop(ex, x, top_w, top_i)
@@ -390,7 +390,7 @@ def moe_route(device="cpu", e=16, k=4, ns=(1, 3, 8), tol=1e-2):
     """route_topk (softmax, top-k, normalise in one launch) against the Router's math: the same
     chosen probabilities in the same order (ids equal up to ties between equal logits), distinct
     ids per row, weights within the dtype's rounding."""
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     gen = torch.Generator(device=device).manual_seed(25)
     dt = act_dtype(device)

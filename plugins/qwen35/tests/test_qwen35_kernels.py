@@ -3,15 +3,16 @@
 import torch
 import torch.nn.functional as F
 from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.gdn import (
+from ninfer_qwen35.testing import tiny_text_config
+
+from ninfer_core.nn.gdn import (
     causal_conv_prefill,
     causal_conv_step,
     chunk_gated_delta_rule,
     l2norm,
     recurrent_gated_delta_step,
 )
-from ninfer_qwen35.layers import RotaryEmbedding, apply_rotary
-from ninfer_qwen35.testing import tiny_text_config
+from ninfer_core.nn.layers import RotaryEmbedding, apply_rotary
 
 
 def _rule_inputs(T, H=3, dk=8, dv=5, seed=0):

@@ -60,7 +60,7 @@ def test_grouped_with_torch_grouped_mm_on_cpu_if_present():
 
 
 def test_cpu_experts_run_the_loop_and_grouped_refuses_cpu():
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     top_w = torch.full((5, 2), 0.5, dtype=torch.bfloat16)
@@ -72,7 +72,7 @@ def test_moe_block_forward_unchanged_on_cpu():
     """SparseMoeBlock on the CPU still equals its explicit math through the expert loop."""
     from types import SimpleNamespace
 
-    from ninfer_qwen35.moe import SparseMoeBlock
+    from ninfer_core.nn.moe import SparseMoeBlock
 
     cfg = SimpleNamespace(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                           shared_expert_intermediate_size=16, norm_topk_prob=True)
@@ -87,7 +87,7 @@ def test_moe_block_forward_unchanged_on_cpu():
 
 
 def test_grouped_falls_back_once_refused_and_never_on_out_of_memory():
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     top_w = torch.full((5, 2), 0.5, dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
 """The Qwen3.5 MTP draft head over the paged cache (the family's `DraftHead`, enabled by the
-backend) against the plain-tensor reference head (`Qwen35Runner.mtp_forward`), on the reference
+backend) against the plain-tensor reference head (`HybridRunner.mtp_forward`), on the reference
 runner and on the GPU runner's CPU fallback path; ride-along K/V after prefill, decode and
 verify + commit; the attention window; the proposal head."""
 

@@ -6,7 +6,7 @@ transformers' torch Gated DeltaNet path: `use_torch_gdn` undoes transformers' ch
 flash-linear-attention (fla) or causal-conv1d kernels when those are installed (fla 0.6.0 refuses
 its backward on Hopper with Triton 3.6, and the torch path is the one the tests check).
 
-The MTP head follows `ninfer_qwen35.mtp`: at position t it reads the main model's final-normed
+The MTP head follows `ninfer_core.nn.mtp`: at position t it reads the main model's final-normed
 hidden state h[t] and the embedding of token x[t+1], h' = fc(cat[pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])]), one
 full-attention decoder layer at position t+1, `mtp.norm`, then the shared lm_head, and is
 trained to predict x[t+2]. Parameter names are the checkpoint's (`model.*`, `lm_head.weight`

@@ -1,4 +1,4 @@
-"""Gated DeltaNet through ninfer_qwen35's GPU kernels (the layer is the backbone's, unchanged).
+"""Gated DeltaNet through core's GPU kernels (`ninfer_core.accel`; the layer is `ninfer_core.nn.gdn`'s).
 
 Decode batches: the Triton conv update and gated-delta step on the state slots in place
 (`conv_update`, `gdn_decode_inplace`); prefill chunks: the Triton causal conv and fla's chunked
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ninfer_qwen35.gdn import GatedDeltaNet
-from ninfer_qwen35.gpu import kernels as K
-from ninfer_qwen35.gpu.fla_glue import gdn_prefill
+
+from ninfer_core.accel import kernels as K
+from ninfer_core.accel.fla_glue import gdn_prefill
+from ninfer_core.nn.gdn import GatedDeltaNet
 
 
 class KernelGatedDeltaNet(GatedDeltaNet):

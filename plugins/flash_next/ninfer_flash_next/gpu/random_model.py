@@ -46,7 +46,7 @@ class RandomArtifact:
             rows = cfg.ngram_table_rows(i)
             self._shapes[f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_embedding.weight"] = (rows, cfg.ngram_row_dim)
         if mtp:
-            from ninfer_qwen35.mtp import MtpHead
+            from ninfer_core.nn.mtp import MtpHead
 
             with torch.device("meta"):
                 head = MtpHead(cfg.base)

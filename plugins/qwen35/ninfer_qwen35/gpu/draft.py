@@ -1,7 +1,7 @@
 """The MTP draft head on the GPU path: fused projections, the Triton paged decode attention
 (keys from position 1: the head has no row at position 0) and the decode step's kernels.
 
-Same math as `ninfer_qwen35.draft.MtpDraftHead` (the reference, whose `step` also runs here for
+Same math as `ninfer_core.engine.mtp_draft.MtpDraftHead` (the reference, whose `step` also runs here for
 heads of more than one layer); `write_kv` is the ride-along of every target forward (tensor inputs
 only, so it runs inside the decode and verify CUDA Graphs).
 """
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ninfer_core.accel import kernels as K
 from ninfer_core.engine.model_api import DraftStep
-from ninfer_qwen35.draft import KEY_START, MtpDraftHead
-from ninfer_qwen35.gpu import kernels as K
+from ninfer_core.engine.mtp_draft import KEY_START, MtpDraftHead
 
 MAX_CHAIN_GRAPH_LANES = 8
 

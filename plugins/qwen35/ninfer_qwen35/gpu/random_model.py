@@ -45,7 +45,7 @@ class RandomArtifact:
         if not cfg.tie_word_embeddings:
             self._shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
         if mtp:
-            from ninfer_qwen35.mtp import MtpHead
+            from ninfer_core.nn.mtp import MtpHead
 
             with torch.device("meta"):
                 head = MtpHead(cfg)

@@ -38,12 +38,13 @@ from ninfer_core.engine.model_api import (
     SegmentOutput,
 )
 from ninfer_core.quant.weight import QuantizedWeight
-from ninfer_qwen35.context import Segment
-from ninfer_qwen35.gpu import kernels as K
-from ninfer_qwen35.gpu import moe_kernels as MK
-from ninfer_qwen35.gpu.fla_glue import GRAPH_BUCKETS, GdnPrefillGraphs, fla_chunk, gdn_prefill
+from ninfer_core.nn.context import Segment
+from ninfer_core.accel import kernels as K
+from ninfer_core.accel import moe_kernels as MK
+from ninfer_core.accel.fla_glue import GRAPH_BUCKETS, GdnPrefillGraphs, fla_chunk, gdn_prefill
 from ninfer_qwen35.gpu.verify import VerifyMixin
-from ninfer_qwen35.runner import ATTN_GROUP, Qwen35Runner
+from ninfer_core.engine.hybrid_runner import ATTN_GROUP
+from ninfer_core.engine.hybrid_runner import HybridRunner as Qwen35Runner
 
 log = logging.getLogger("ninfer.qwen35.gpu")
 

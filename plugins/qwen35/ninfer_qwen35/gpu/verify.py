@@ -18,8 +18,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ninfer_core.accel import kernels as K
 from ninfer_core.engine.model_api import FINAL_HIDDEN, LOGITS_ALL, LOGITS_LAST, SegmentOutput
-from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu import verify_kernels as VK
 
 log = logging.getLogger("ninfer.qwen35.gpu")
@@ -151,9 +151,9 @@ class VerifyMixin:
         lv = self._last_verify
         kept = list(kept)
         if lv is None and kept and all(isinstance(self._uncommitted.get(s), tuple) for s, _ in kept):
-            from ninfer_qwen35.runner import Qwen35Runner
+            from ninfer_core.engine.hybrid_runner import HybridRunner
 
-            return Qwen35Runner.commit(self, kept)  # a reference verify (side inputs)
+            return HybridRunner.commit(self, kept)  # a reference verify (side inputs)
         if lv is None:
             raise RuntimeError("no verify to commit")
         by_slot = dict(kept)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer_qwen35.gpu.kernels import HAVE_TRITON, ref_gdn_decode, use_triton
+from ninfer_core.accel.kernels import HAVE_TRITON, ref_gdn_decode, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ninfer_qwen35.gpu.kernels import gdn_token_step
+    from ninfer_core.accel.kernels import gdn_token_step
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the Qwen3.5 layers: norms, MLP, rotary embedding."""
+"""Small building blocks of the hybrid layers: norms, MLP, rotary embedding."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer_qwen35.config import Qwen35Config, RopeConfig
+from ninfer_core.nn.config import HybridConfig, RopeConfig
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -27,7 +27,7 @@ class GatedRMSNorm(nn.Module):
     """The GDN output norm: plain weight (not zero-centred), gated by silu(z).
 
     The weight multiplies the normalised value after its cast back to the input dtype, and the
-    gate is applied in fp32: the same rounding points as transformers' Qwen3_5RMSNormGated.
+    gate is applied in fp32: the same rounding points as transformers' gated RMSNorm of the GDN models.
     """
 
     def __init__(self, dim: int, eps: float):
@@ -106,9 +106,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
-def make_mlp(cfg: Qwen35Config) -> nn.Module:
+def make_mlp(cfg: HybridConfig) -> nn.Module:
     if cfg.is_moe:
-        from ninfer_qwen35.moe import SparseMoeBlock
+        from ninfer_core.nn.moe import SparseMoeBlock
 
         return SparseMoeBlock(cfg)
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.context import ForwardContext
-from ninfer_qwen35.layers import ZeroCenteredRMSNorm, apply_rotary
+from ninfer_core.nn.config import HybridConfig
+from ninfer_core.nn.context import ForwardContext
+from ninfer_core.nn.layers import ZeroCenteredRMSNorm, apply_rotary
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -35,7 +35,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: Qwen35Config, layer_idx: int):
+    def __init__(self, cfg: HybridConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.heads, self.kv_heads, self.head_dim = (

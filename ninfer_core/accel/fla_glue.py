@@ -2,7 +2,7 @@
 
 `gdn_prefill` runs one sequence's chunk: the state slot is the fla `initial_state` and the
 `final_state` is written back into the same slot. fla needs triton and CUDA; elsewhere the
-plugin's torch reference (`ninfer_qwen35.gdn.chunk_gated_delta_rule`) runs the same math.
+torch reference (`ninfer_core.nn.gdn.chunk_gated_delta_rule`) runs the same math.
 
 `GdnPrefillGraphs` runs the same call as a CUDA Graph for chunks of up to 1024 tokens. On the
 H200, fla's Python side costs ~1.25 ms of host time per call (autotuner keys, wrappers, about ten
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer_qwen35 import gdn as ref_gdn
+from ninfer_core.nn import gdn as ref_gdn
 
 _FLA = None
 

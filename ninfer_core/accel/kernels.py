@@ -589,7 +589,7 @@ def silu_mul(gu):
 
 # ------------------------------------------------------------------------------------------------
 # decode/prefill glue fused: conv-state update (+SiLU) and q/k RMSNorm + partial RoPE (one launch
-# each where the torch glue took ~7 and ~25); GpuQwen35Runner uses both.
+# each where the torch glue took ~7 and ~25); the families' GPU runners use both.
 # ------------------------------------------------------------------------------------------------
 def ref_conv_update(mixed, conv_all, weight, slots):
     """One new column per lane: silu(depthwise conv over [state | x]); the state shifts in place.
@@ -603,7 +603,7 @@ def ref_conv_update(mixed, conv_all, weight, slots):
 def ref_qk_norm_rope(q, k, q_w, k_w, cos, sin, eps):
     """Zero-centred RMSNorm of q [N, H, D] and k [N, KVH, D] over D, then neox RoPE on the first
     cos.shape[-1] dims; returns contiguous (q, k)."""
-    from ninfer_qwen35.layers import apply_rotary
+    from ninfer_core.nn.layers import apply_rotary
 
     def norm(x, w):
         xf = x.float()
@@ -681,7 +681,7 @@ if HAVE_TRITON:
 def ref_conv_prefill(x, conv_all, weight, slot: int):
     """T new rows of one sequence: x [T, C] (rows may be strided) -> silu(causal depthwise conv over
     [state | x]) [T, C]; the slot's state [C, K-1] becomes the last K-1 inputs (in place)."""
-    from ninfer_qwen35.gdn import causal_conv_prefill
+    from ninfer_core.nn.gdn import causal_conv_prefill
 
     out, new = causal_conv_prefill(x.t(), conv_all[slot], weight)
     conv_all[slot] = new.to(conv_all.dtype)

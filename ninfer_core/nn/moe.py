@@ -1,6 +1,6 @@
-"""The Qwen3.5-MoE sparse block: softmax top-k router, fused experts, gated shared expert.
+"""The sparse MoE block of the hybrid models: softmax top-k router, fused experts, gated shared expert.
 
-Expert weights are kept fused as stored in Qwen3.5-MoE checkpoints and in transformers:
+Expert weights are kept fused as the published MoE checkpoints store them and transformers does:
 `experts.gate_up_proj` [E, 2*I, H] (rows [gate | up]) and `experts.down_proj` [E, H, I], so that
 expert e computes down[e] @ (silu(gate[e] @ x) * up[e] @ x).
 """
@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.layers import SwiGLU
+from ninfer_core.nn.config import HybridConfig
+from ninfer_core.nn.layers import SwiGLU
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
@@ -33,7 +33,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: HybridConfig):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts = e
@@ -44,7 +44,7 @@ class Experts(nn.Module):
         """On CUDA: sorted token-expert pairs through two grouped GEMMs, no host synchronisation
         (gpu/moe_kernels.py); elsewhere, or where the grouped GEMM is unavailable, the expert loop."""
         if x.is_cuda and isinstance(self.gate_up_proj, torch.Tensor):  # encoded experts take the loop
-            from ninfer_qwen35.gpu.moe_kernels import grouped_experts
+            from ninfer_core.accel.moe_kernels import grouped_experts
 
             out = grouped_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj)
             if out is not None:
@@ -75,7 +75,7 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg)

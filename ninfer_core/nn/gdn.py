@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.context import ForwardContext
-from ninfer_qwen35.layers import GatedRMSNorm
+from ninfer_core.nn.config import HybridConfig
+from ninfer_core.nn.context import ForwardContext
+from ninfer_core.nn.layers import GatedRMSNorm
 
 CHUNK = 64
 
@@ -102,7 +102,7 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: Qwen35Config, layer_idx: int):
+    def __init__(self, cfg: HybridConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

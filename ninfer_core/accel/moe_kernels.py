@@ -1,4 +1,4 @@
-"""MoE expert kernels of the GPU path (Qwen3.5-MoE), each with the torch reference it is tested
+"""MoE expert kernels of the GPU path (`ninfer_core.nn.moe`), each with the torch reference it is tested
 against.
 
 Decode (a few tokens): the router's logits by one matmul, then four Triton launches, no host
@@ -34,7 +34,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ninfer_qwen35.gpu.kernels import HAVE_TRITON, silu_mul, use_triton
+from ninfer_core.accel.kernels import HAVE_TRITON, silu_mul, use_triton
 
 if HAVE_TRITON:
     import triton

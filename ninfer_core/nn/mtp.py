@@ -1,4 +1,4 @@
-"""The multi-token-prediction head shipped in Qwen3.5 checkpoints (`mtp.*`; transformers ignores it).
+"""The multi-token-prediction head some hybrid checkpoints ship (`mtp.*`; transformers ignores it).
 
 h = fc(cat[pre_fc_norm_embedding(embed(next_token)), pre_fc_norm_hidden(target_hidden)]) (2H -> H),
 then `mtp_num_hidden_layers` full-attention decoder layers with their own KV, then `mtp.norm`;
@@ -14,16 +14,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer_qwen35.attention import grouped_attention
-from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.layers import RotaryEmbedding, ZeroCenteredRMSNorm
-from ninfer_qwen35.model import DecoderLayer
+from ninfer_core.nn.attention import grouped_attention
+from ninfer_core.nn.config import HybridConfig
+from ninfer_core.nn.decoder import DecoderLayer
+from ninfer_core.nn.layers import RotaryEmbedding, ZeroCenteredRMSNorm
 
 KV = tuple[torch.Tensor, torch.Tensor]  # K, V: [T_past, kv_heads, head_dim]
 
 
 class MtpHead(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: HybridConfig):
         super().__init__()
         h = cfg.hidden_size
         n = max(cfg.mtp_num_hidden_layers, 1)

@@ -1,6 +1,6 @@
 """The MTP head as a draft head over the paged cache (torch reference path).
 
-Position convention (the one ninfer-tiny's head was trained with, `mtp.py`): the head's row at
+Position convention (the one `ninfer_core.nn.mtp` and the trained heads use): the head's row at
 position p reads token p and the target's final hidden at p-1, and predicts token p+1 from there
 (the token after next of the target at p-1). Position 0 has no row: its page row stays unused and
 every head query attends to keys 1.. only.
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ninfer_core.engine.model_api import DraftHead, DraftStep, KVGroup
-from ninfer_qwen35.attention import paged_rows_attention
+from ninfer_core.nn.attention import paged_rows_attention
 
 KEY_START = 1  # the head has no key at position 0
 

@@ -1,12 +1,12 @@
 """The padding that lets one CUDA Graph per bucket length run every GDN prefill chunk
-(ninfer_qwen35.gpu.fla_glue.padded_gdn_core): rows past the chunk get g = 0 and beta = 0, and
+(ninfer_core.accel.fla_glue.padded_gdn_core): rows past the chunk get g = 0 and beta = 0, and
 whatever they hold, the real rows' outputs and the final state equal the unpadded chunk's. Here
-the graph body runs on the CPU with the plugin's torch chunk rule in fla's place."""
+the graph body runs on the CPU with core's torch chunk rule (ninfer_core.nn.gdn) in fla's place."""
 
 import torch
 
-from ninfer_qwen35 import gdn as ref_gdn
-from ninfer_qwen35.gpu.fla_glue import GRAPH_BUCKETS, graph_bucket, padded_gdn_core
+from ninfer_core.accel.fla_glue import GRAPH_BUCKETS, graph_bucket, padded_gdn_core
+from ninfer_core.nn import gdn as ref_gdn
 
 HK, HV, DK, DV = 2, 4, 16, 8
 

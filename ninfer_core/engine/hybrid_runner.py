@@ -1,5 +1,13 @@
-"""Qwen35Runner: the ModelRunner of the Qwen3.5 family (reference path: cache ownership, the forward
-contract over prefill / decode / verify segments, commit, the MTP draft head)."""
+"""HybridRunner: the ModelRunner of a hybrid Gated DeltaNet + paged gated-attention model (reference
+path: cache ownership, the forward contract over prefill / decode / verify segments, commit, the
+MTP draft head), shared by the families built from `ninfer_core.nn`.
+
+The model it drives is the family's text model (an nn.Module) with: `layers` (each with
+`layer_type` and, for "linear_attention", `linear_attn.state_shapes()`), `layer_range`, `first` and
+`last` (a pipeline stage holds a range of the layers), `embed_tokens`, `rotary`
+(`ninfer_core.nn.layers.RotaryEmbedding`), `forward(ids, ctx, collect, embeds, hidden=)` -> hidden
+states [N, H] and `logits(hidden)` -> fp32 logits. The config is a `ninfer_core.nn.config.HybridConfig`.
+A family subclasses it to add cache tensors (KV pages or state slots of its own layers)."""
 
 from __future__ import annotations
 
@@ -25,19 +33,18 @@ from ninfer_core.engine.model_api import (
     StateImage,
     check_batch,
 )
-from ninfer_qwen35.config import Qwen35Config
-from ninfer_qwen35.context import CacheTensors, ForwardContext, Segment
-from ninfer_qwen35.model import Qwen35TextModel
-from ninfer_qwen35.mtp import MtpHead
+from ninfer_core.nn.config import HybridConfig
+from ninfer_core.nn.context import CacheTensors, ForwardContext, Segment
+from ninfer_core.nn.mtp import MtpHead
 
 ATTN_GROUP = "full_attention"
 
 
-class Qwen35Runner(StageRunner, ModelRunner):
+class HybridRunner(StageRunner, ModelRunner):
     def __init__(
         self,
-        model: Qwen35TextModel,
-        cfg: Qwen35Config,
+        model: torch.nn.Module,
+        cfg: HybridConfig,
         device: torch.device,
         dtype: torch.dtype,
         mtp: MtpHead | None = None,
@@ -229,7 +236,7 @@ class Qwen35Runner(StageRunner, ModelRunner):
         if self.draft is None:
             if self.cache is not None:
                 raise RuntimeError("enable the draft head before allocate_cache")
-            from ninfer_qwen35.draft import MtpDraftHead
+            from ninfer_core.engine.mtp_draft import MtpDraftHead
 
             self.draft = MtpDraftHead(self)
         return self.draft
@@ -429,7 +436,7 @@ class Qwen35Runner(StageRunner, ModelRunner):
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"state slot {slot} outside 0..{self.num_slots - 1}")
 
-    # ---- MTP head (reference over plain per-layer tensors; tests and ninfer-tiny's evaluation) ----
+    # ---- MTP head (reference over plain per-layer tensors; tests and model evaluations) ----
     @torch.inference_mode()
     def mtp_forward(self, next_tokens: Sequence[int], target_hidden: torch.Tensor, start: int, past=None):
         """Run the MTP head for one sequence: fp32 logits [T, vocab], normed hidden, KV list.
