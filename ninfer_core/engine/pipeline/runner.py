@@ -8,6 +8,8 @@ every stage: a cache op is the same op on each stage, a StateImage is the union 
 images (their tensor names are keyed by model layer, so they never clash) and restoring one hands
 each stage its own tensors back. A forward is cut into micro-batches (microbatch.py) that follow
 each other through the stages; the last stage sends the logits to rank 0, where the engine samples.
+A decode or verify round of several lanes is cut into one lane group per stage (`round_groups`),
+so that every lane's round is pipelined; `counters()["pipeline"]` says how the stages overlapped.
 
 A stage process that fails or ends stops the pipeline: the forward that saw it raises, and so does
 every later call (the engine then fails as it does on any broken invariant).
@@ -34,6 +36,7 @@ from ninfer_core.engine.model_api import (
     check_batch,
 )
 from ninfer_core.engine.pipeline import microbatch
+from ninfer_core.engine.pipeline.overlap import OverlapCounters
 from ninfer_core.engine.pipeline.split import free_memory, plan_stages
 from ninfer_core.engine.pipeline.stage import StageSpec, init_groups, load_target, names_of, stage_forward
 
@@ -68,6 +71,8 @@ class PipelineRunner(ModelRunner):
                  infos: list, microbatch_tokens: int = MICROBATCH_TOKENS):
         self.stage0, self.workers, self.groups = stage0, workers, groups  # workers: [(process, conn)]
         self.ranges, self.devices, self.microbatch_tokens = ranges, devices, microbatch_tokens
+        self.round_groups = len(ranges)  # lane groups of a decode / verify round (1: whole rounds)
+        self.overlap = OverlapCounters(len(ranges))
         self.device = stage0.device
         self.stage_specs = specs
         self._spec = merge_cache_specs(specs)
@@ -272,7 +277,7 @@ class PipelineRunner(ModelRunner):
         self._live()
         check_batch(batch, self.info.vocab_size, self.num_slots, self.num_pages, self._spec.group_names,
                     self.page_size)
-        pieces, how = microbatch.plan(batch, len(self.ranges), self.microbatch_tokens)
+        pieces, how = microbatch.plan(batch, len(self.ranges), self.microbatch_tokens, self.round_groups)
         hidden_size = int(self.info.hidden_size)
         stripped = [ForwardBatch([_without_media(s) for s in p.segments]) for p in pieces]
         try:
@@ -281,9 +286,9 @@ class PipelineRunner(ModelRunner):
         except OSError as e:
             self._stop(f"a stage's pipe is closed ({e})")
             raise PipelineError(self._broken) from e
-        error = None
+        error, first = None, None
         try:
-            stage_forward(self.stage0, pieces, 0, len(self.ranges), self.groups, hidden_size)
+            first = stage_forward(self.stage0, pieces, 0, len(self.ranges), self.groups, hidden_size)
         except Exception as e:  # noqa: BLE001 - every stage still ends this forward
             error = e
         try:
@@ -291,10 +296,18 @@ class PipelineRunner(ModelRunner):
         except BaseException as e:
             self._stop(f"receiving the last stage's outputs failed: {type(e).__name__}: {e}")
             raise PipelineError(self._broken) from e
-        self._collect()
+        spans = self._collect()
         if error is not None:
             raise error
+        got = self.overlap.add([first, *spans], how, how == "lanes")
+        if len(pieces) > 1:
+            log.debug("forward cut %s into %d pieces over %d stages: %d overlapped", how, len(pieces),
+                      len(self.ranges), got)
         return microbatch.join(batch, how, outputs)
+
+    def counters(self) -> dict:
+        """{"pipeline": the stages' overlap counters (ninfer_core.engine.pipeline.overlap)}."""
+        return {"pipeline": self.overlap.as_dict()}
 
     def _receive(self, pieces: list[ForwardBatch], hidden_size: int) -> list[list[SegmentOutput]]:
         """Post the receives of the last stage's outputs for every piece, wait for them (watching

@@ -12,6 +12,7 @@ stream, never has a return transfer wait behind a forward one.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,9 +80,12 @@ def load_stage(spec: StageSpec):
                              spec.dtype, spec.options)
 
 
-def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_size: int) -> None:
+def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_size: int) -> list:
     """This stage's part of every piece, in order: receive the previous stage's hidden (rank > 0),
     run the stage's layers, send on (to the next stage, or the outputs to rank 0 from the last).
+    Returns the (start, end) of each piece's layers on this stage (time.monotonic, one clock for
+    every process of the machine; on CUDA the host's launch span), which the runner compares
+    between stages to count how the pieces overlapped.
 
     A stage whose forward raises still sends zeros of the right shapes for the rest of the pieces,
     so that every stage ends the forward and the pipeline stays in step; the error is raised at
@@ -90,6 +94,7 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
     import torch.distributed as dist
 
     fwd, ret = groups
+    spans = []
     pending = []  # (work, tensor) kept alive until the send completes
     error = None
     for piece in pieces:
@@ -99,11 +104,13 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
             h = torch.empty(rows, hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(h, src=rank - 1, group=fwd)
         out = None
+        t0 = time.monotonic()
         if error is None:
             try:
                 out = runner.forward_stage(piece, h)
             except Exception as e:  # noqa: BLE001 - raised after the pipeline's transfers
                 error = e
+        spans.append((t0, time.monotonic()))
         if rank < world - 1:
             out = out.contiguous() if out is not None else torch.zeros(rows, hidden_size, dtype=runner.dtype,
                                                                         device=runner.device)
@@ -116,6 +123,7 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
         work.wait()
     if error is not None:
         raise error
+    return spans
 
 
 def zero_outputs(piece, runner, hidden_size: int) -> list:
@@ -173,8 +181,7 @@ def stage_main(spec: StageSpec, conn) -> None:
         try:
             if op == "forward":
                 pieces, hidden_size = args
-                stage_forward(runner, pieces, spec.rank, spec.world, groups, hidden_size)
-                result = None
+                result = stage_forward(runner, pieces, spec.rank, spec.world, groups, hidden_size)
             elif op == "names":
                 result = names_of(runner)
             elif op in CACHE_OPS:
