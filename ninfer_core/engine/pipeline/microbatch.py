@@ -84,9 +84,7 @@ def join(batch: ForwardBatch, how: str, outputs: list[list[SegmentOutput]]) -> l
         logits = torch.cat([o.logits for o in outs])
     else:
         logits = outs[-1].logits if seg.logits == LOGITS_LAST else None
-    hidden = {}
-    if FINAL_HIDDEN in seg.hidden:
-        hidden[FINAL_HIDDEN] = torch.cat([o.hidden[FINAL_HIDDEN] for o in outs])
+    hidden = {k: torch.cat([o.hidden[k] for o in outs]) for k in outs[0].hidden}  # asked layers, FINAL_HIDDEN
     return [SegmentOutput(logits, hidden)]
 
 

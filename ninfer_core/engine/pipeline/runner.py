@@ -38,7 +38,14 @@ from ninfer_core.engine.model_api import (
 from ninfer_core.engine.pipeline import microbatch
 from ninfer_core.engine.pipeline.overlap import OverlapCounters
 from ninfer_core.engine.pipeline.split import free_memory, plan_stages
-from ninfer_core.engine.pipeline.stage import StageSpec, init_groups, load_target, names_of, stage_forward
+from ninfer_core.engine.pipeline.stage import (
+    StageSpec,
+    asked_layers,
+    init_groups,
+    load_target,
+    names_of,
+    stage_forward,
+)
 
 log = logging.getLogger("ninfer.pipeline")
 
@@ -286,13 +293,14 @@ class PipelineRunner(ModelRunner):
         except OSError as e:
             self._stop(f"a stage's pipe is closed ({e})")
             raise PipelineError(self._broken) from e
-        error, first = None, None
+        error, first, taps = None, None, [{} for _ in pieces]
         try:
-            first = stage_forward(self.stage0, pieces, 0, len(self.ranges), self.groups, hidden_size)
+            first, taps = stage_forward(self.stage0, pieces, 0, len(self.ranges), self.groups, hidden_size,
+                                        self.ranges[0])
         except Exception as e:  # noqa: BLE001 - every stage still ends this forward
             error = e
         try:
-            outputs = self._receive(pieces, hidden_size)
+            outputs = self._receive(pieces, hidden_size, taps)
         except BaseException as e:
             self._stop(f"receiving the last stage's outputs failed: {type(e).__name__}: {e}")
             raise PipelineError(self._broken) from e
@@ -309,21 +317,28 @@ class PipelineRunner(ModelRunner):
         """{"pipeline": the stages' overlap counters (ninfer_core.engine.pipeline.overlap)}."""
         return {"pipeline": self.overlap.as_dict()}
 
-    def _receive(self, pieces: list[ForwardBatch], hidden_size: int) -> list[list[SegmentOutput]]:
-        """Post the receives of the last stage's outputs for every piece, wait for them (watching
-        the stage processes meanwhile), and cut them into SegmentOutputs."""
+    def _receive(self, pieces: list[ForwardBatch], hidden_size: int, taps: list[dict]) -> list[list[SegmentOutput]]:
+        """Post the receives of every stage's asked layer outputs and the last stage's outputs for
+        every piece (in the order the stages send them), wait for them, and cut them into
+        SegmentOutputs. `taps`: stage 0's own layer outputs per piece (filled in here)."""
         import torch
         import torch.distributed as dist
 
         from ninfer_core.engine.model_api import FINAL_HIDDEN
 
         last, ret = len(self.ranges) - 1, self.groups[1]
+        dtype = self.stage0.dtype
         posted = []
-        for p in pieces:
+        for p, layer_out in zip(pieces, taps):
             rows = [microbatch.output_rows(s) for s in p.segments]
             n_logits, n_hidden = sum(r[0] for r in rows), sum(r[1] for r in rows)
             logits = hidden = None
             works = []
+            n_rows = sum(len(s) for s in p.segments)
+            for k in range(1, last + 1):
+                for layer in asked_layers(p, self.ranges[k]):
+                    layer_out[layer] = torch.empty(n_rows, hidden_size, dtype=dtype, device=self.device)
+                    works.append(dist.irecv(layer_out[layer], src=k, group=ret))
             if n_logits:
                 logits = torch.empty(n_logits, int(self.info.vocab_size), dtype=torch.float32, device=self.device)
                 works.append(dist.irecv(logits, src=last, group=ret))
@@ -335,15 +350,18 @@ class PipelineRunner(ModelRunner):
             for w in works:
                 self._wait(w)
         out = []
-        for p, rows, logits, hidden, _ in posted:
-            li = hi = 0
+        for (p, rows, logits, hidden, _), layer_out in zip(posted, taps):
+            li = hi = off = 0
             outs = []
             for s, (nl, nh) in zip(p.segments, rows):
                 lg = None
                 if nl:
                     lg = logits[li] if s.logits == "last" else logits[li: li + nl]
-                outs.append(SegmentOutput(lg, {FINAL_HIDDEN: hidden[hi: hi + nh]} if nh else {}))
-                li, hi = li + nl, hi + nh
+                got = {layer: layer_out[layer][off: off + len(s)] for layer in s.hidden if layer in layer_out}
+                if nh:
+                    got[FINAL_HIDDEN] = hidden[hi: hi + nh]
+                outs.append(SegmentOutput(lg, got))
+                li, hi, off = li + nl, hi + nh, off + len(s)
             out.append(outs)
         return out
 
@@ -358,8 +376,41 @@ class PipelineRunner(ModelRunner):
     def embed(self, token_ids):
         return self.stage0.embed(token_ids)
 
+    # ---- speculative decoding: the draft and LM heads on the last stage (pipeline.draft) ---------
+    def on_last(self, op: str, *args):
+        """Run one op on the last stage's process and return its answer."""
+        self._live()
+        proc, conn = self.workers[-1]
+        try:
+            conn.send((op, args))
+        except OSError as e:
+            self._stop(f"a stage's pipe is closed ({e})")
+            raise PipelineError(self._broken) from e
+        try:
+            return _reply(proc, conn, len(self.workers), self.devices[-1])
+        except PipelineError as e:
+            self._stop(str(e))
+            raise
+
+    def logits(self, hidden):
+        """fp32 logits of final-normed hidden states through the last stage's LM head."""
+        from ninfer_core.engine.pipeline.draft import host
+
+        return self.on_last("logits", host(hidden)).to(self.device)
+
+    def draft_heads(self) -> tuple[str, ...]:
+        return tuple(self.on_last("draft_heads"))
+
     def enable_draft_head(self, name: str):
-        raise ValueError(f"draft head {name!r}: speculative decoding does not run across pipeline stages yet")
+        """The last stage's draft head (before allocate_cache): its KV group joins the cache spec."""
+        from ninfer_core.engine.pipeline.draft import StageDraftHead
+
+        if self.num_pages:
+            raise RuntimeError("enable the draft head before allocate_cache")
+        head = self.on_last("enable_draft_head", name)
+        self.stage_specs = self._all("cache_spec")
+        self._spec = merge_cache_specs(self.stage_specs)
+        return StageDraftHead(self, *head)
 
     @property
     def dtype(self):

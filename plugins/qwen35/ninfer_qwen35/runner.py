@@ -262,14 +262,26 @@ class Qwen35Runner(StageRunner, ModelRunner):
             raise ValueError("the first stage embeds the tokens; every later stage needs the previous stage's hidden")
         if hidden is not None and hidden.shape[0] != sum(len(s) for s in batch.segments):
             raise ValueError(f"hidden rows {hidden.shape[0]} for {sum(len(s) for s in batch.segments)} tokens")
-        if not any(s.snapshot is not None for s in batch.segments):
-            return self._forward(batch.segments, hidden)
-        parts, off = [], 0
-        for s in batch.segments:
-            h = None if hidden is None else hidden[off: off + len(s)]
-            parts.append(self._stage_snapshot(s, h) if s.snapshot is not None else self._forward([s], h))
-            off += len(s)
-        return [o for p in parts for o in p] if self.model.last else torch.cat(parts)
+        # the asked layer outputs this stage holds, every row (stage_layer_outputs)
+        self._stage_collect = tuple(sorted({layer for s in batch.segments for layer in s.hidden
+                                            if layer != FINAL_HIDDEN and layer in self.model.layer_range}))
+        self._stage_taps = {}
+        try:
+            if not any(s.snapshot is not None for s in batch.segments):
+                return self._forward(batch.segments, hidden)
+            parts, off = [], 0
+            for s in batch.segments:
+                h = None if hidden is None else hidden[off: off + len(s)]
+                parts.append(self._stage_snapshot(s, h) if s.snapshot is not None else self._forward([s], h))
+                off += len(s)
+            return [o for p in parts for o in p] if self.model.last else torch.cat(parts)
+        finally:
+            self._stage_collect = ()
+
+    def stage_layer_outputs(self) -> dict:
+        """{layer: [sum(T), hidden]} of the last `forward_stage`: the outputs of the layers its
+        segments asked for (`LaneSegment.hidden`) that this stage holds, rows in segment order."""
+        return {layer: torch.cat(parts) for layer, parts in getattr(self, "_stage_taps", {}).items()}
 
     def _stage_snapshot(self, seg: LaneSegment, hidden):
         at, snap = seg.snapshot
@@ -348,9 +360,12 @@ class Qwen35Runner(StageRunner, ModelRunner):
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         ctx = ForwardContext.build(segs, self.cache, self.device)
         ctx.rope_positions = self._positions(segments, ctx.positions)
-        collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN}))
+        stage = getattr(self, "_stage_collect", ())
+        collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN} | set(stage)))
         embeds = self._embeds(segments, ids) if hidden_in is None else None
         hidden = self.model(ids, ctx, collect, embeds, hidden=hidden_in)
+        for layer in stage:  # a pipeline stage's asked layers, every row of this call
+            self._stage_taps.setdefault(layer, []).append(ctx.layer_outputs[layer])
         if not self.model.last:
             for seg, s in zip(segs, segments):
                 if s.kind == VERIFY:
@@ -374,7 +389,7 @@ class Qwen35Runner(StageRunner, ModelRunner):
             elif s.logits == LOGITS_LAST:
                 logits = self.model.logits(rows[-1])
             got = {layer: ctx.layer_outputs[layer][seg.offset: seg.offset + seg.length]
-                   for layer in s.hidden if layer != FINAL_HIDDEN}
+                   for layer in s.hidden if layer in ctx.layer_outputs}  # a stage: the layers it holds
             if FINAL_HIDDEN in s.hidden:
                 got[FINAL_HIDDEN] = rows
             outs.append(SegmentOutput(logits, got))

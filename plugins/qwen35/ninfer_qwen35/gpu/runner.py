@@ -291,15 +291,20 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     @torch.inference_mode()
     def forward_stage(self, batch: ForwardBatch, hidden: torch.Tensor | None = None):
         """A pipeline stage's part of a forward on the fast path's kernels (eager decode: the
-        stage's input is another process's tensor); verify and side inputs are not served here."""
+        stage's input is another process's tensor). Verify segments, side inputs (media), layer
+        outputs and a stage holding the MTP head run the reference stage forward over the same
+        caches and weights (`commit` finishes a reference verify the reference way)."""
         if self._whole and hidden is None:
             return self.forward(batch)
         self._check(batch)
         segs = batch.segments
+        self._stage_taps = {}
         if (hidden is None) != self.model.first:
             raise ValueError("the first stage embeds the tokens; every later stage needs the previous stage's hidden")
-        if any(s.side is not None or not set(s.hidden) <= {FINAL_HIDDEN} or s.kind == VERIFY for s in segs):
-            raise NotImplementedError("a pipeline stage on the fast path runs plain prefill and decode segments")
+        if self.draft is not None or any(s.side is not None or not set(s.hidden) <= {FINAL_HIDDEN}
+                                         or s.kind == VERIFY for s in segs):
+            self._last_verify = None
+            return super().forward_stage(batch, hidden)
         if {s.kind for s in segs} == {DECODE}:
             rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
             width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
