@@ -286,7 +286,8 @@ class PipelineRunner(ModelRunner):
                     self.page_size)
         pieces, how = microbatch.plan(batch, len(self.ranges), self.microbatch_tokens, self.round_groups)
         hidden_size = int(self.info.hidden_size)
-        stripped = [ForwardBatch([_without_media(s) for s in p.segments]) for p in pieces]
+        vocab = int(self.info.vocab_size)
+        stripped = [ForwardBatch([_without_media(s, vocab) for s in p.segments]) for p in pieces]
         try:
             for _, conn in self.workers:
                 conn.send(("forward", (stripped, hidden_size)))
@@ -435,11 +436,15 @@ def merge_cache_specs(specs: list[CacheSpec]) -> CacheSpec:
                      state_layers=tuple(i for s in specs for i in s.state_layers))
 
 
-def _without_media(seg):
-    """Spliced media embeddings only matter to the first stage (positions go to every stage)."""
+def _without_media(seg, vocab_size: int):
+    """Spliced media embeddings only matter to the first stage (positions go to every stage). The
+    media rows' identity ids become the last vocabulary id, the id a whole model clamps them to
+    where it reads them besides the embedding (a draft head's ride-along)."""
     if seg.side is None or not seg.side.embeddings:
         return seg
-    return replace(seg, side=replace(seg.side, embeddings=[]))
+    covered = seg.side.covered_rows()
+    tokens = [min(int(t), vocab_size - 1) if i in covered else t for i, t in enumerate(seg.tokens)]
+    return replace(seg, tokens=tokens, side=replace(seg.side, embeddings=[]))
 
 
 def _reply(proc, conn, rank: int, device: str, poll_s: float = 0.5):

@@ -287,8 +287,11 @@ class Qwen35Runner(StageRunner, ModelRunner):
         at, snap = seg.snapshot
         if self.model.last:
             return [self._forward_snapshot(seg, hidden)]
-        first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL)
-        rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL)
+        side = seg.side  # media embeddings and mRoPE positions of each half
+        first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL,
+                            side=None if side is None else side.slice(0, at))
+        rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL,
+                           side=None if side is None else side.slice(at, len(seg.tokens)))
         a = self._forward([first], None if hidden is None else hidden[:at])
         self.copy_slot(seg.slot, snap)
         return torch.cat([a, self._forward([rest], None if hidden is None else hidden[at:])])
