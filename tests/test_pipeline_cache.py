@@ -87,7 +87,7 @@ def test_second_turn_reusing_the_prefix_equals_recompute(art, spec, tier):
             assert cc["device_state_slots_used"] == 0 and cc["host_state_slots_used"] > 0, cc
         # the image is every stage's: stage 0's first layer, the last stage's layers (and MTP hidden)
         image = runner.capture_state(0)
-        held = [set(n for n in names) for names, _ in runner._names]
+        held = [set(names) for names, _ in runner._names]
         assert all(held) and set(image.tensors) == held[0] | held[1] and not held[0] & held[1]
         pages = [set(names) for _, names in runner._names]
         assert held[0] == {"conv.0", "ssm.0"}  # layer 0 (GDN) on stage 0; layer 3 is the attention layer

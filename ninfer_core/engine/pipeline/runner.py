@@ -110,11 +110,13 @@ class PipelineRunner(ModelRunner):
 
         target = family_target(family)
         fam = load_target(target) if isinstance(family, str) else (family() if isinstance(family, type) else family)
-        n = int(fam.pipeline_layers(open_artifact(artifact_path, devices[0])) or 0)
+        art = open_artifact(artifact_path, devices[0])
+        n = int(fam.pipeline_layers(art) or 0)
         if n <= 0:
             raise StageSplitError(f"--devices: the {getattr(fam, 'name', '') or type(fam).__name__} family cannot run "
                                   "as pipeline stages")
-        ranges = plan_stages(n, devices, stage_layers, free_memory(devices))
+        cuts = getattr(fam, "pipeline_cuts", lambda _a: None)(art)
+        ranges = plan_stages(n, devices, stage_layers, free_memory(devices), cuts)
         if dist.is_initialized():
             raise PipelineError("this process already holds a torch.distributed group (one pipeline per process)")
         backend = "nccl" if devices[0].startswith("cuda") else "gloo"
@@ -244,6 +246,9 @@ class PipelineRunner(ModelRunner):
 
     def configure(self, options: RunnerOptions) -> None:
         self._all("configure", options)
+        # a stage's cache geometry may follow the options (a sliding-window ring sized by the chunk)
+        self.stage_specs = self._all("cache_spec")
+        self._spec = merge_cache_specs(self.stage_specs)
 
     def reset_slot(self, slot: int) -> None:
         self._all("reset_slot", slot)

@@ -99,6 +99,9 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
     import torch.distributed as dist
 
     fwd, ret = groups
+    # what goes stage to stage per row: the residual stream, and whatever else a family carries
+    # beside it (`StageRunner.stage_width`, e.g. Gemma 4's per-layer inputs); equal on every stage
+    width = int(getattr(runner, "stage_width", 0) or hidden_size)
     spans, taps = [], []
     pending = []  # (work, tensor) kept alive until the send completes
     error = None
@@ -106,7 +109,7 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
         rows = sum(len(s) for s in piece.segments)
         h = None
         if rank > 0:
-            h = torch.empty(rows, hidden_size, dtype=runner.dtype, device=runner.device)
+            h = torch.empty(rows, width, dtype=runner.dtype, device=runner.device)
             dist.recv(h, src=rank - 1, group=fwd)
         out = None
         t0 = time.monotonic()
@@ -130,7 +133,7 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
                     pending.append((dist.isend(t, dst=0, group=ret), t))
         taps.append(mine if rank == 0 else {})
         if rank < world - 1:
-            out = out.contiguous() if out is not None else torch.zeros(rows, hidden_size, dtype=runner.dtype,
+            out = out.contiguous() if out is not None else torch.zeros(rows, width, dtype=runner.dtype,
                                                                         device=runner.device)
             pending.append((dist.isend(out, dst=rank + 1, group=fwd), out))
             continue
