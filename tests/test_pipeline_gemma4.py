@@ -94,3 +94,15 @@ def test_a_split_inside_the_kv_shared_layers_is_refused(arts):
     with pytest.raises(StageSplitError, match="split into 5 stages at most"):
         plan_stages(n, ["cpu"] * 6, None, None, cuts)
     assert fam.pipeline_cuts(Artifact.open(arts["26b-a4b"])) == tuple(range(1, 12))
+
+
+def test_serve_refuses_a_split_inside_the_kv_shared_layers_before_loading(arts):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ninfer_core.cli", "serve", arts["e2b"], "--port", "0",
+                        "--devices", "cpu,cpu", "--stage-layers", "8,7"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1
+    assert ("error: --stage-layers starts a stage at layer 8, which reads state of a layer before it; this model's "
+            "stages may start at layers 1..4") in r.stderr
