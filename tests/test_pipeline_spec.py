@@ -124,3 +124,27 @@ def test_asked_layer_outputs_come_back_from_the_stage_that_holds_them(art):
             runner.enable_draft_head("mtp")
     finally:
         runner.close()
+
+
+def test_serve_spec_mtp_across_stages_answers_as_one_device(start_server):
+    """`ninfer serve --devices cpu,cpu --spec mtp` with the openai client: the same greedy text as
+    `--spec mtp` on one device; GET /stats carries the stages' counters."""
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    piped = start_server("--devices", "cpu,cpu", "--spec", "mtp", "--max-concurrency", "2")
+    root = start_server("--spec", "mtp", "--max-concurrency", "2")
+    assert "pipeline of 2 stages (gloo)" in piped.log() and "speculative backend mtp" in piped.log()
+
+    def ask(server):
+        client = openai.OpenAI(base_url=server.api_base, api_key="none")
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt="Once upon a time, in a house by the sea,",
+                                      max_tokens=24, temperature=0)
+        return r.choices[0].text
+
+    got, want = ask(piped), ask(root)
+    assert got == want and got
+    stats = httpx.get(piped.base_url + "/stats", timeout=10).json()
+    p = stats["pipeline"]
+    assert p["stages"] == 2 and p["forwards"] > 0 and len(p["busy_seconds"]) == 2
