@@ -148,3 +148,46 @@ def test_serve_spec_mtp_across_stages_answers_as_one_device(start_server):
     stats = httpx.get(piped.base_url + "/stats", timeout=10).json()
     p = stats["pipeline"]
     assert p["stages"] == 2 and p["forwards"] > 0 and len(p["busy_seconds"]) == 2
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast_path"])
+def test_stage_verify_commit_and_mtp_ride_along_chained_in_process(art, fast):
+    """The stage contract under speculation, without processes: two stage runners chained by hand
+    (the MTP head on the last) run prefill, a verify of uneven lanes, its commit and a decode with
+    the whole model's bits, and the head drafts the same from what the stages wrote."""
+    from ninfer_qwen35.gpu.runner import GpuQwen35Runner
+
+    from ninfer_core.engine.model_api import DECODE, VERIFY, DraftStep
+
+    fam, a = Qwen35Family(), Artifact.open(art)
+    whole, stages = fam.load(a, "cpu"), [fam.load_stage(a, r, "cpu") for r in (range(0, 2), range(2, 4))]
+    if fast:
+        whole = GpuQwen35Runner.from_runner(whole, cuda_graph=False)
+        stages = [GpuQwen35Runner.from_runner(s, cuda_graph=False) for s in stages]
+    assert stages[0].mtp is None and stages[1].draft_heads() == ("mtp",)
+    heads = [whole.enable_draft_head("mtp"), stages[1].enable_draft_head("mtp")]
+    for r in (whole, *stages):
+        r.allocate_cache(8, 3)
+    t0, t1 = {"full_attention": [0, 1], "mtp": [0, 1]}, {"full_attention": [2, 3], "mtp": [2, 3]}
+    p0, p1 = list(range(5, 75)), list(range(100, 130))
+
+    def both(batch):
+        h = None
+        for s in stages:
+            h = s.forward_stage(batch, h)
+        return whole.forward(batch), h
+
+    for batch in (ForwardBatch([LaneSegment(0, t0, 0, p0, PREFILL, snapshot=(40, 2))]),
+                  ForwardBatch([LaneSegment(1, t1, 0, p1, PREFILL)]),
+                  ForwardBatch([LaneSegment(0, t0, 70, [9, 8, 7, 6], VERIFY, "all"),
+                                LaneSegment(1, t1, 30, [4, 3], VERIFY, "all")])):
+        want, got = both(batch)
+        for x, y in zip(want, got):
+            assert torch.equal(x.logits, y.logits)
+    for r in (whole, *stages):
+        r.commit([(0, 2), (1, 1)])
+    want, got = both(ForwardBatch([LaneSegment(0, t0, 72, [11], DECODE), LaneSegment(1, t1, 31, [12], DECODE)]))
+    for x, y in zip(want, got):
+        assert torch.equal(x.logits, y.logits)
+    rows = [DraftStep(0, 73, 13, t0["mtp"]), DraftStep(1, 32, 14, t1["mtp"])]
+    assert torch.equal(heads[0].step(rows), heads[1].step(rows))
