@@ -160,7 +160,7 @@ def test_stage_verify_commit_and_mtp_ride_along_chained_in_process(art, fast):
     from ninfer_core.engine.model_api import DECODE, VERIFY, DraftStep
 
     fam, a = Qwen35Family(), Artifact.open(art)
-    whole, stages = fam.load(a, "cpu"), [fam.load_stage(a, r, "cpu") for r in (range(0, 2), range(2, 4))]
+    whole, stages = fam.load(a, "cpu"), [fam.load_stage(a, r, "cpu") for r in (range(2), range(2, 4))]
     if fast:
         whole = GpuQwen35Runner.from_runner(whole, cuda_graph=False)
         stages = [GpuQwen35Runner.from_runner(s, cuda_graph=False) for s in stages]
