@@ -100,7 +100,7 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
 
     fwd, ret = groups
     # what goes stage to stage per row: the residual stream, and whatever else a family carries
-    # beside it (`StageRunner.stage_width`, e.g. Gemma 4's per-layer inputs); equal on every stage
+    # beside it (`StageRunner.stage_width`, a family's per-layer inputs); equal on every stage
     width = int(getattr(runner, "stage_width", 0) or hidden_size)
     spans, taps = [], []
     pending = []  # (work, tensor) kept alive until the send completes
