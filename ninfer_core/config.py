@@ -299,7 +299,5 @@ def pipeline_options_from_args(a: argparse.Namespace) -> tuple[list[str] | None,
     if getattr(a, "vision_residency", None) == "overlay":
         raise ValueError("--vision-residency overlay does not run with --devices (use resident or cpu: the tower "
                          "stays on the first device)")
-    if getattr(a, "spec", None):
-        raise ValueError(f"--spec {a.spec} does not run across pipeline stages yet (drop --devices or --spec)")
     return devices, layers
 

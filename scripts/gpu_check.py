@@ -22,8 +22,10 @@ verify round at width 8 and 16 against a plain decode step and the engine at the
 acceptance (`ninfer bench --spec oracle --spec-k 7,15`).
 
 Pipeline stages (issue 26, on nvidia-h200-x2): `--order pipeline` runs scripts/pipeline_check.py:
-the 27B shape whole on one GPU, then split over two as pipeline stages (NCCL), prefill and
-batched decode in the same call, greedy tokens compared (a table; the PIPELINE line last).
+the 27B shape whole on one GPU, then split over two as pipeline stages (NCCL, NCCL_NVLS_ENABLE=0),
+prefill and batched decode (whole, and micro-batched with every round cut into lane groups) and
+`--spec mtp` through the engine in the same call, greedy tokens compared (one table; the PIPELINE
+line last).
 
 Qwen3.8-Flash-Next (issue 25): `--order flash_next` runs plugins/flash_next's CUDA checks (bf16
 parity with transformers at the real widths past the indexer's dense threshold, host experts equal

@@ -55,11 +55,11 @@ def test_greedy_output_of_stages_equals_one_stage(artifact, whole, stages, layer
         # one batched decode round of two lanes, logits against the whole model's
         for r in (whole, runner):
             r.allocate_cache(8, 3)
-        tb = {"full_attention": [0, 1, 2, 3]}
+        tb, t1 = {"full_attention": [0, 1, 2, 3]}, {"full_attention": [4, 5, 6, 7]}  # lanes own their pages
         for r in (whole, runner):
             r.forward(ForwardBatch([LaneSegment(0, tb, 0, PROMPTS[0], PREFILL)]))
-            r.forward(ForwardBatch([LaneSegment(1, tb, 0, PROMPTS[1], PREFILL)]))
-        segs = [LaneSegment(0, tb, len(PROMPTS[0]), [5], DECODE), LaneSegment(1, tb, len(PROMPTS[1]), [9], DECODE)]
+            r.forward(ForwardBatch([LaneSegment(1, t1, 0, PROMPTS[1], PREFILL)]))
+        segs = [LaneSegment(0, tb, len(PROMPTS[0]), [5], DECODE), LaneSegment(1, t1, len(PROMPTS[1]), [9], DECODE)]
         a, b = whole.forward(ForwardBatch(segs)), runner.forward(ForwardBatch(segs))
         for x, y in zip(a, b):
             torch.testing.assert_close(y.logits, x.logits, rtol=1e-4, atol=1e-4)

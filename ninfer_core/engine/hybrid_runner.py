@@ -269,21 +269,36 @@ class HybridRunner(StageRunner, ModelRunner):
             raise ValueError("the first stage embeds the tokens; every later stage needs the previous stage's hidden")
         if hidden is not None and hidden.shape[0] != sum(len(s) for s in batch.segments):
             raise ValueError(f"hidden rows {hidden.shape[0]} for {sum(len(s) for s in batch.segments)} tokens")
-        if not any(s.snapshot is not None for s in batch.segments):
-            return self._forward(batch.segments, hidden)
-        parts, off = [], 0
-        for s in batch.segments:
-            h = None if hidden is None else hidden[off: off + len(s)]
-            parts.append(self._stage_snapshot(s, h) if s.snapshot is not None else self._forward([s], h))
-            off += len(s)
-        return [o for p in parts for o in p] if self.model.last else torch.cat(parts)
+        # the asked layer outputs this stage holds, every row (stage_layer_outputs)
+        self._stage_collect = tuple(sorted({layer for s in batch.segments for layer in s.hidden
+                                            if layer != FINAL_HIDDEN and layer in self.model.layer_range}))
+        self._stage_taps = {}
+        try:
+            if not any(s.snapshot is not None for s in batch.segments):
+                return self._forward(batch.segments, hidden)
+            parts, off = [], 0
+            for s in batch.segments:
+                h = None if hidden is None else hidden[off: off + len(s)]
+                parts.append(self._stage_snapshot(s, h) if s.snapshot is not None else self._forward([s], h))
+                off += len(s)
+            return [o for p in parts for o in p] if self.model.last else torch.cat(parts)
+        finally:
+            self._stage_collect = ()
+
+    def stage_layer_outputs(self) -> dict:
+        """{layer: [sum(T), hidden]} of the last `forward_stage`: the outputs of the layers its
+        segments asked for (`LaneSegment.hidden`) that this stage holds, rows in segment order."""
+        return {layer: torch.cat(parts) for layer, parts in getattr(self, "_stage_taps", {}).items()}
 
     def _stage_snapshot(self, seg: LaneSegment, hidden):
         at, snap = seg.snapshot
         if self.model.last:
             return [self._forward_snapshot(seg, hidden)]
-        first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL)
-        rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL)
+        side = seg.side  # media embeddings and mRoPE positions of each half
+        first = LaneSegment(seg.slot, seg.tables, seg.start, list(seg.tokens[:at]), PREFILL,
+                            side=None if side is None else side.slice(0, at))
+        rest = LaneSegment(seg.slot, seg.tables, seg.start + at, list(seg.tokens[at:]), PREFILL,
+                           side=None if side is None else side.slice(at, len(seg.tokens)))
         a = self._forward([first], None if hidden is None else hidden[:at])
         self.copy_slot(seg.slot, snap)
         return torch.cat([a, self._forward([rest], None if hidden is None else hidden[at:])])
@@ -355,9 +370,12 @@ class HybridRunner(StageRunner, ModelRunner):
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         ctx = ForwardContext.build(segs, self.cache, self.device)
         ctx.rope_positions = self._positions(segments, ctx.positions)
-        collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN}))
+        stage = getattr(self, "_stage_collect", ())
+        collect = tuple(sorted({layer for s in segments for layer in s.hidden if layer != FINAL_HIDDEN} | set(stage)))
         embeds = self._embeds(segments, ids) if hidden_in is None else None
         hidden = self.model(ids, ctx, collect, embeds, hidden=hidden_in)
+        for layer in stage:  # a pipeline stage's asked layers, every row of this call
+            self._stage_taps.setdefault(layer, []).append(ctx.layer_outputs[layer])
         if not self.model.last:
             for seg, s in zip(segs, segments):
                 if s.kind == VERIFY:
@@ -381,7 +399,7 @@ class HybridRunner(StageRunner, ModelRunner):
             elif s.logits == LOGITS_LAST:
                 logits = self.model.logits(rows[-1])
             got = {layer: ctx.layer_outputs[layer][seg.offset: seg.offset + seg.length]
-                   for layer in s.hidden if layer != FINAL_HIDDEN}
+                   for layer in s.hidden if layer in ctx.layer_outputs}  # a stage: the layers it holds
             if FINAL_HIDDEN in s.hidden:
                 got[FINAL_HIDDEN] = rows
             outs.append(SegmentOutput(logits, got))

@@ -401,6 +401,10 @@ class StageRunner(ABC):
     for the engine's whole page-id space and slot count, and StateImage / `read_pages` tensor names
     are keyed by the model's layer index, so the images of all stages merge into one image of the
     whole model without a clash (ninfer_core.engine.pipeline).
+
+    `stage_width` (optional, default the hidden size): the columns of what a stage before the last
+    returns and the next receives, when a family carries more than the residual stream between
+    stages (per-row inputs every layer reads); the same on every stage of a model.
     """
 
     @abstractmethod
@@ -488,6 +492,11 @@ class ModelFamily(ABC):
         """The number of decoder layers a pipeline split divides between stages; 0 (the default):
         this family cannot run as pipeline stages."""
         return 0
+
+    def pipeline_cuts(self, artifact) -> Sequence[int] | None:
+        """The layers a pipeline stage may start at (a stage never reads another stage's cache:
+        e.g. layers that attend over an earlier layer's K/V stay with it); None (the default): any."""
+        return None
 
     def load_stage(self, artifact, layers: range, device: str = "cpu", dtype: str | None = None,
                    options: Any = None) -> StageRunner:

@@ -206,7 +206,8 @@ def check_pipeline(options, artifact, family_reg) -> str | None:
     if n <= 0:
         return f"--devices: the {family_reg.name} family cannot run as pipeline stages"
     try:
-        plan_stages(n, options.devices, options.stage_layers)
+        plan_stages(n, options.devices, options.stage_layers, cuts=getattr(family, "pipeline_cuts", lambda _a: None)(
+            artifact))
     except StageSplitError as e:
         return str(e)
     return None

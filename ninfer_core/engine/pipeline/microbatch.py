@@ -4,9 +4,13 @@ stage s+1 runs piece j while stage s runs piece j+1.
 A prefill chunk is cut along its tokens (piece j+1 attends over the K/V piece j wrote on the same
 stage, and the recurrent state is carried in the slot from one piece to the next, so the result
 is the chunk's); a decode or verify round is cut between lanes. A piece costs a stage nearly as
-much weight traffic as the whole forward when the stage is memory bound, so a forward is cut only
-when each piece still has `min_tokens` tokens: long prefill chunks, wide verify rounds. A round of
-a few decode tokens stays one piece (cutting it would add a stage's weight read per piece).
+much weight traffic as the whole forward when the stage is memory bound, so a prefill chunk is cut
+only when each piece still has `min_tokens` tokens.
+
+A decode or verify round of several lanes is cut into one lane group per stage (`round_groups`):
+stage s+1 runs group j while stage s runs group j+1, so every lane's round goes through the
+stages together instead of each stage waiting for the whole round. The price is one more weight
+read per stage and group; the runner's `round_groups` (1: whole rounds) picks.
 """
 
 from __future__ import annotations
@@ -25,20 +29,21 @@ from ninfer_core.engine.model_api import (
 )
 
 
-def plan(batch: ForwardBatch, stages: int, min_tokens: int) -> tuple[list[ForwardBatch], str]:
+def plan(batch: ForwardBatch, stages: int, min_tokens: int, round_groups: int = 0) -> tuple[list[ForwardBatch], str]:
     """(pieces, how): how is "whole" (one piece), "lanes" (segments split between pieces) or
-    "tokens" (the one prefill segment cut along its tokens)."""
+    "tokens" (the one prefill segment cut along its tokens). `round_groups` > 1 cuts a decode or
+    verify round into that many lane groups (at most one lane each)."""
     segs = batch.segments
     total = sum(len(s) for s in segs)
     pieces = min(2 * stages, total // max(1, min_tokens))
-    if pieces < 2:
-        return [batch], "whole"
     if all(s.kind != PREFILL for s in segs):
-        pieces = min(pieces, len(segs))
+        pieces = min(max(pieces, round_groups), len(segs))
         if pieces < 2:
             return [batch], "whole"
         bounds = _even(len(segs), pieces)
         return [ForwardBatch(segs[a:b]) for a, b in bounds], "lanes"
+    if pieces < 2:
+        return [batch], "whole"
     if len(segs) != 1 or segs[0].side is not None:
         return [batch], "whole"
     seg = segs[0]
@@ -79,9 +84,7 @@ def join(batch: ForwardBatch, how: str, outputs: list[list[SegmentOutput]]) -> l
         logits = torch.cat([o.logits for o in outs])
     else:
         logits = outs[-1].logits if seg.logits == LOGITS_LAST else None
-    hidden = {}
-    if FINAL_HIDDEN in seg.hidden:
-        hidden[FINAL_HIDDEN] = torch.cat([o.hidden[FINAL_HIDDEN] for o in outs])
+    hidden = {k: torch.cat([o.hidden[k] for o in outs]) for k in outs[0].hidden}  # asked layers, FINAL_HIDDEN
     return [SegmentOutput(logits, hidden)]
 
 

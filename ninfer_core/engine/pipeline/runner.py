@@ -8,6 +8,8 @@ every stage: a cache op is the same op on each stage, a StateImage is the union 
 images (their tensor names are keyed by model layer, so they never clash) and restoring one hands
 each stage its own tensors back. A forward is cut into micro-batches (microbatch.py) that follow
 each other through the stages; the last stage sends the logits to rank 0, where the engine samples.
+A decode or verify round of several lanes is cut into one lane group per stage (`round_groups`),
+so that every lane's round is pipelined; `counters()["pipeline"]` says how the stages overlapped.
 
 A stage process that fails or ends stops the pipeline: the forward that saw it raises, and so does
 every later call (the engine then fails as it does on any broken invariant).
@@ -34,8 +36,16 @@ from ninfer_core.engine.model_api import (
     check_batch,
 )
 from ninfer_core.engine.pipeline import microbatch
+from ninfer_core.engine.pipeline.overlap import OverlapCounters
 from ninfer_core.engine.pipeline.split import free_memory, plan_stages
-from ninfer_core.engine.pipeline.stage import StageSpec, init_groups, load_target, names_of, stage_forward
+from ninfer_core.engine.pipeline.stage import (
+    StageSpec,
+    asked_layers,
+    init_groups,
+    load_target,
+    names_of,
+    stage_forward,
+)
 
 log = logging.getLogger("ninfer.pipeline")
 
@@ -68,6 +78,8 @@ class PipelineRunner(ModelRunner):
                  infos: list, microbatch_tokens: int = MICROBATCH_TOKENS):
         self.stage0, self.workers, self.groups = stage0, workers, groups  # workers: [(process, conn)]
         self.ranges, self.devices, self.microbatch_tokens = ranges, devices, microbatch_tokens
+        self.round_groups = len(ranges)  # lane groups of a decode / verify round (1: whole rounds)
+        self.overlap = OverlapCounters(len(ranges))
         self.device = stage0.device
         self.stage_specs = specs
         self._spec = merge_cache_specs(specs)
@@ -98,11 +110,13 @@ class PipelineRunner(ModelRunner):
 
         target = family_target(family)
         fam = load_target(target) if isinstance(family, str) else (family() if isinstance(family, type) else family)
-        n = int(fam.pipeline_layers(open_artifact(artifact_path, devices[0])) or 0)
+        art = open_artifact(artifact_path, devices[0])
+        n = int(fam.pipeline_layers(art) or 0)
         if n <= 0:
             raise StageSplitError(f"--devices: the {getattr(fam, 'name', '') or type(fam).__name__} family cannot run "
                                   "as pipeline stages")
-        ranges = plan_stages(n, devices, stage_layers, free_memory(devices))
+        cuts = getattr(fam, "pipeline_cuts", lambda _a: None)(art)
+        ranges = plan_stages(n, devices, stage_layers, free_memory(devices), cuts)
         if dist.is_initialized():
             raise PipelineError("this process already holds a torch.distributed group (one pipeline per process)")
         backend = "nccl" if devices[0].startswith("cuda") else "gloo"
@@ -232,6 +246,9 @@ class PipelineRunner(ModelRunner):
 
     def configure(self, options: RunnerOptions) -> None:
         self._all("configure", options)
+        # a stage's cache geometry may follow the options (a sliding-window ring sized by the chunk)
+        self.stage_specs = self._all("cache_spec")
+        self._spec = merge_cache_specs(self.stage_specs)
 
     def reset_slot(self, slot: int) -> None:
         self._all("reset_slot", slot)
@@ -272,45 +289,62 @@ class PipelineRunner(ModelRunner):
         self._live()
         check_batch(batch, self.info.vocab_size, self.num_slots, self.num_pages, self._spec.group_names,
                     self.page_size)
-        pieces, how = microbatch.plan(batch, len(self.ranges), self.microbatch_tokens)
+        pieces, how = microbatch.plan(batch, len(self.ranges), self.microbatch_tokens, self.round_groups)
         hidden_size = int(self.info.hidden_size)
-        stripped = [ForwardBatch([_without_media(s) for s in p.segments]) for p in pieces]
+        vocab = int(self.info.vocab_size)
+        stripped = [ForwardBatch([_without_media(s, vocab) for s in p.segments]) for p in pieces]
         try:
             for _, conn in self.workers:
                 conn.send(("forward", (stripped, hidden_size)))
         except OSError as e:
             self._stop(f"a stage's pipe is closed ({e})")
             raise PipelineError(self._broken) from e
-        error = None
+        error, first, taps = None, None, [{} for _ in pieces]
         try:
-            stage_forward(self.stage0, pieces, 0, len(self.ranges), self.groups, hidden_size)
+            first, taps = stage_forward(self.stage0, pieces, 0, len(self.ranges), self.groups, hidden_size,
+                                        self.ranges[0])
         except Exception as e:  # noqa: BLE001 - every stage still ends this forward
             error = e
         try:
-            outputs = self._receive(pieces, hidden_size)
+            outputs = self._receive(pieces, hidden_size, taps)
         except BaseException as e:
             self._stop(f"receiving the last stage's outputs failed: {type(e).__name__}: {e}")
             raise PipelineError(self._broken) from e
-        self._collect()
+        spans = self._collect()
         if error is not None:
             raise error
+        got = self.overlap.add([first, *spans], how, how == "lanes")
+        if len(pieces) > 1:
+            log.debug("forward cut %s into %d pieces over %d stages: %d overlapped", how, len(pieces),
+                      len(self.ranges), got)
         return microbatch.join(batch, how, outputs)
 
-    def _receive(self, pieces: list[ForwardBatch], hidden_size: int) -> list[list[SegmentOutput]]:
-        """Post the receives of the last stage's outputs for every piece, wait for them (watching
-        the stage processes meanwhile), and cut them into SegmentOutputs."""
+    def counters(self) -> dict:
+        """{"pipeline": the stages' overlap counters (ninfer_core.engine.pipeline.overlap)}."""
+        return {"pipeline": self.overlap.as_dict()}
+
+    def _receive(self, pieces: list[ForwardBatch], hidden_size: int, taps: list[dict]) -> list[list[SegmentOutput]]:
+        """Post the receives of every stage's asked layer outputs and the last stage's outputs for
+        every piece (in the order the stages send them), wait for them, and cut them into
+        SegmentOutputs. `taps`: stage 0's own layer outputs per piece (filled in here)."""
         import torch
         import torch.distributed as dist
 
         from ninfer_core.engine.model_api import FINAL_HIDDEN
 
         last, ret = len(self.ranges) - 1, self.groups[1]
+        dtype = self.stage0.dtype
         posted = []
-        for p in pieces:
+        for p, layer_out in zip(pieces, taps):
             rows = [microbatch.output_rows(s) for s in p.segments]
             n_logits, n_hidden = sum(r[0] for r in rows), sum(r[1] for r in rows)
             logits = hidden = None
             works = []
+            n_rows = sum(len(s) for s in p.segments)
+            for k in range(1, last + 1):
+                for layer in asked_layers(p, self.ranges[k]):
+                    layer_out[layer] = torch.empty(n_rows, hidden_size, dtype=dtype, device=self.device)
+                    works.append(dist.irecv(layer_out[layer], src=k, group=ret))
             if n_logits:
                 logits = torch.empty(n_logits, int(self.info.vocab_size), dtype=torch.float32, device=self.device)
                 works.append(dist.irecv(logits, src=last, group=ret))
@@ -322,15 +356,18 @@ class PipelineRunner(ModelRunner):
             for w in works:
                 self._wait(w)
         out = []
-        for p, rows, logits, hidden, _ in posted:
-            li = hi = 0
+        for (p, rows, logits, hidden, _), layer_out in zip(posted, taps):
+            li = hi = off = 0
             outs = []
             for s, (nl, nh) in zip(p.segments, rows):
                 lg = None
                 if nl:
                     lg = logits[li] if s.logits == "last" else logits[li: li + nl]
-                outs.append(SegmentOutput(lg, {FINAL_HIDDEN: hidden[hi: hi + nh]} if nh else {}))
-                li, hi = li + nl, hi + nh
+                got = {layer: layer_out[layer][off: off + len(s)] for layer in s.hidden if layer in layer_out}
+                if nh:
+                    got[FINAL_HIDDEN] = hidden[hi: hi + nh]
+                outs.append(SegmentOutput(lg, got))
+                li, hi, off = li + nl, hi + nh, off + len(s)
             out.append(outs)
         return out
 
@@ -345,8 +382,41 @@ class PipelineRunner(ModelRunner):
     def embed(self, token_ids):
         return self.stage0.embed(token_ids)
 
+    # ---- speculative decoding: the draft and LM heads on the last stage (pipeline.draft) ---------
+    def on_last(self, op: str, *args):
+        """Run one op on the last stage's process and return its answer."""
+        self._live()
+        proc, conn = self.workers[-1]
+        try:
+            conn.send((op, args))
+        except OSError as e:
+            self._stop(f"a stage's pipe is closed ({e})")
+            raise PipelineError(self._broken) from e
+        try:
+            return _reply(proc, conn, len(self.workers), self.devices[-1])
+        except PipelineError as e:
+            self._stop(str(e))
+            raise
+
+    def logits(self, hidden):
+        """fp32 logits of final-normed hidden states through the last stage's LM head."""
+        from ninfer_core.engine.pipeline.draft import host
+
+        return self.on_last("logits", host(hidden)).to(self.device)
+
+    def draft_heads(self) -> tuple[str, ...]:
+        return tuple(self.on_last("draft_heads"))
+
     def enable_draft_head(self, name: str):
-        raise ValueError(f"draft head {name!r}: speculative decoding does not run across pipeline stages yet")
+        """The last stage's draft head (before allocate_cache): its KV group joins the cache spec."""
+        from ninfer_core.engine.pipeline.draft import StageDraftHead
+
+        if self.num_pages:
+            raise RuntimeError("enable the draft head before allocate_cache")
+        head = self.on_last("enable_draft_head", name)
+        self.stage_specs = self._all("cache_spec")
+        self._spec = merge_cache_specs(self.stage_specs)
+        return StageDraftHead(self, *head)
 
     @property
     def dtype(self):
@@ -371,11 +441,15 @@ def merge_cache_specs(specs: list[CacheSpec]) -> CacheSpec:
                      state_layers=tuple(i for s in specs for i in s.state_layers))
 
 
-def _without_media(seg):
-    """Spliced media embeddings only matter to the first stage (positions go to every stage)."""
+def _without_media(seg, vocab_size: int):
+    """Spliced media embeddings only matter to the first stage (positions go to every stage). The
+    media rows' identity ids become the last vocabulary id, the id a whole model clamps them to
+    where it reads them besides the embedding (a draft head's ride-along)."""
     if seg.side is None or not seg.side.embeddings:
         return seg
-    return replace(seg, side=replace(seg.side, embeddings=[]))
+    covered = seg.side.covered_rows()
+    tokens = [min(int(t), vocab_size - 1) if i in covered else t for i, t in enumerate(seg.tokens)]
+    return replace(seg, tokens=tokens, side=replace(seg.side, embeddings=[]))
 
 
 def _reply(proc, conn, rank: int, device: str, poll_s: float = 0.5):

@@ -8,6 +8,7 @@ split from each device's free memory (an even split where every device reports t
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 MIN_STAGES, MAX_STAGES = 2, 8
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -53,12 +54,14 @@ def parse_stage_layers(text: str) -> list[int]:
 
 
 def plan_stages(num_layers: int, devices: list[str], stage_layers: list[int] | None = None,
-                free_bytes: list[int] | None = None) -> list[range]:
+                free_bytes: list[int] | None = None, cuts: Sequence[int] | None = None) -> list[range]:
     """The layer range of each stage, in `devices` order.
 
     `stage_layers` given: one count per device, adding up to `num_layers`. Otherwise the layers are
     shared in proportion to `free_bytes` (each device's free memory; None: equal), every stage at
-    least one, rounded by largest remainder so the split is deterministic."""
+    least one, rounded by largest remainder so the split is deterministic. `cuts`: the first layers
+    a stage may start at (the family's `pipeline_cuts`; None: any); a default split moves each
+    boundary to the nearest of them, an explicit one that crosses another is refused."""
     n = len(devices)
     if num_layers < n:
         raise StageSplitError(f"--devices lists {n} stages but the model has {num_layers} layers (one at least "
@@ -80,11 +83,42 @@ def plan_stages(num_layers: int, devices: list[str], stage_layers: list[int] | N
         order = sorted(range(n), key=lambda i: (-(share[i] - int(share[i])), i))
         for i in order[: num_layers - sum(counts)]:
             counts[i] += 1
+    bounds = [sum(counts[:k]) for k in range(1, n)]
+    if cuts is not None:
+        allowed = sorted({int(c) for c in cuts if 0 < int(c) < num_layers})
+        if stage_layers is not None:
+            bad = [b for b in bounds if b not in allowed]
+            if bad:
+                raise StageSplitError(f"--stage-layers starts a stage at layer {bad[0]}, which reads state of a layer "
+                                      f"before it; this model's stages may start at layers {_listing(allowed)}")
+        else:
+            bounds = _snap(bounds, allowed, num_layers)
     ranges, start = [], 0
-    for c in counts:
-        ranges.append(range(start, start + c))
-        start += c
+    for b in [*bounds, num_layers]:
+        ranges.append(range(start, b))
+        start = b
     return ranges
+
+
+def _snap(bounds: list[int], allowed: list[int], num_layers: int) -> list[int]:
+    """Each boundary at the allowed cut nearest to it, in order, one layer at least per stage."""
+    if len(allowed) < len(bounds):
+        raise StageSplitError(f"--devices lists {len(bounds) + 1} stages; this model's layers split into "
+                              f"{len(allowed) + 1} stages at most (stages may start at layers {_listing(allowed)})")
+    out: list[int] = []
+    for k, b in enumerate(bounds):
+        left = len(bounds) - k - 1  # boundaries still to place after this one
+        choices = [c for c in allowed if (not out or c > out[-1]) and sum(1 for x in allowed if x > c) >= left]
+        out.append(min(choices, key=lambda c: (abs(c - b), c)))
+    return out
+
+
+def _listing(cuts: list[int]) -> str:
+    if not cuts:
+        return "none (it runs as one stage)"
+    if len(cuts) > 1 and cuts == list(range(cuts[0], cuts[-1] + 1)):
+        return f"{cuts[0]}..{cuts[-1]}"
+    return ", ".join(map(str, cuts))
 
 
 def free_memory(devices: list[str]) -> list[int] | None:

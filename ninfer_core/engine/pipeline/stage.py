@@ -12,6 +12,7 @@ stream, never has a return transfer wait behind a forward one.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,9 +80,17 @@ def load_stage(spec: StageSpec):
                              spec.dtype, spec.options)
 
 
-def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_size: int) -> None:
+def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_size: int,
+                  layers: range = range(0)) -> tuple[list, list]:
     """This stage's part of every piece, in order: receive the previous stage's hidden (rank > 0),
     run the stage's layers, send on (to the next stage, or the outputs to rank 0 from the last).
+
+    Layer outputs a piece's segments ask for (`LaneSegment.hidden`) that this stage holds (its
+    model layers `layers`) go to rank 0 too, every row, one tensor per layer in layer order,
+    before the last stage's outputs. Returns (spans, taps): the (start, end) of each piece's
+    layers on this stage (time.monotonic, one clock for every process of the machine; on CUDA the
+    host's launch span), which the runner compares between stages to count how the pieces
+    overlapped, and on rank 0 its own layer outputs per piece ({layer: [rows, hidden]}).
 
     A stage whose forward raises still sends zeros of the right shapes for the rest of the pieces,
     so that every stage ends the forward and the pipeline stays in step; the error is raised at
@@ -90,22 +99,41 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
     import torch.distributed as dist
 
     fwd, ret = groups
+    # what goes stage to stage per row: the residual stream, and whatever else a family carries
+    # beside it (`StageRunner.stage_width`, a family's per-layer inputs); equal on every stage
+    width = int(getattr(runner, "stage_width", 0) or hidden_size)
+    spans, taps = [], []
     pending = []  # (work, tensor) kept alive until the send completes
     error = None
     for piece in pieces:
         rows = sum(len(s) for s in piece.segments)
         h = None
         if rank > 0:
-            h = torch.empty(rows, hidden_size, dtype=runner.dtype, device=runner.device)
+            h = torch.empty(rows, width, dtype=runner.dtype, device=runner.device)
             dist.recv(h, src=rank - 1, group=fwd)
         out = None
+        t0 = time.monotonic()
         if error is None:
             try:
                 out = runner.forward_stage(piece, h)
             except Exception as e:  # noqa: BLE001 - raised after the pipeline's transfers
                 error = e
+        spans.append((t0, time.monotonic()))
+        asked = asked_layers(piece, layers)
+        mine = {}
+        if asked:
+            got = runner.stage_layer_outputs() if out is not None else {}
+            for layer in asked:
+                t = got.get(layer)
+                if t is None or t.shape[0] != rows:
+                    t = torch.zeros(rows, hidden_size, dtype=runner.dtype, device=runner.device)
+                mine[layer] = t.contiguous()
+            if rank > 0:
+                for t in mine.values():
+                    pending.append((dist.isend(t, dst=0, group=ret), t))
+        taps.append(mine if rank == 0 else {})
         if rank < world - 1:
-            out = out.contiguous() if out is not None else torch.zeros(rows, hidden_size, dtype=runner.dtype,
+            out = out.contiguous() if out is not None else torch.zeros(rows, width, dtype=runner.dtype,
                                                                         device=runner.device)
             pending.append((dist.isend(out, dst=rank + 1, group=fwd), out))
             continue
@@ -116,6 +144,14 @@ def stage_forward(runner, pieces: list, rank: int, world: int, groups, hidden_si
         work.wait()
     if error is not None:
         raise error
+    return spans, taps
+
+
+def asked_layers(piece, layers: range) -> list[int]:
+    """The layer outputs a piece asks for that the stage of `layers` holds, in layer order."""
+    from ninfer_core.engine.model_api import FINAL_HIDDEN
+
+    return sorted({layer for s in piece.segments for layer in s.hidden if layer != FINAL_HIDDEN and layer in layers})
 
 
 def zero_outputs(piece, runner, hidden_size: int) -> list:
@@ -163,6 +199,9 @@ def stage_main(spec: StageSpec, conn) -> None:
         return
     import torch.distributed as dist
 
+    from ninfer_core.engine.pipeline.draft import WORKER_OPS, worker_op
+
+    heads: dict = {}  # the draft heads enabled on this stage, by name
     while True:
         try:
             op, args = conn.recv()
@@ -173,10 +212,12 @@ def stage_main(spec: StageSpec, conn) -> None:
         try:
             if op == "forward":
                 pieces, hidden_size = args
-                stage_forward(runner, pieces, spec.rank, spec.world, groups, hidden_size)
-                result = None
+                result = stage_forward(runner, pieces, spec.rank, spec.world, groups, hidden_size,
+                                       range(*spec.layers))[0]
             elif op == "names":
                 result = names_of(runner)
+            elif op in WORKER_OPS:
+                result = worker_op(runner, heads, op, args)
             elif op in CACHE_OPS:
                 result = getattr(runner, op)(*args)
             else:

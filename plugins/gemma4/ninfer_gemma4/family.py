@@ -46,12 +46,69 @@ class Gemma4Family(ModelFamily):
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rotary(dev)
-        eos = ()
-        tok = getattr(artifact, "tokenizer_section", None)
-        if isinstance(tok, dict):
-            by_text = {t.get("content"): t.get("id") for t in tok.get("added_tokens", [])}
-            eos = tuple(by_text[e] for e in tok.get("eos_tokens", []) if by_text.get(e) is not None)
-        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=_eos_ids(artifact))
+
+    # ---- pipeline stages (ninfer_core.engine.pipeline; ninfer_gemma4.stage) ---------------------
+    def pipeline_layers(self, artifact) -> int:
+        return Gemma4Config.from_hf(artifact.config, getattr(artifact, "architecture", None)).num_hidden_layers
+
+    def pipeline_cuts(self, artifact):
+        from ninfer_gemma4.stage import stage_cuts
+
+        return stage_cuts(Gemma4Config.from_hf(artifact.config, getattr(artifact, "architecture", None)))
+
+    def load_stage(self, artifact, layers: range, device: str = "cpu", dtype: str | None = None, options=None):
+        """A stage runner over the decoder layers `layers`: only their tensors are read, the first
+        stage's embeddings and per-layer input tables, the last stage's norm and LM head."""
+        from ninfer_gemma4.stage import Gemma4StageRunner, stage_cuts
+
+        dev = torch.device(device)
+        run_dtype = resolve_dtype(dtype, dev)
+        cfg = Gemma4Config.from_hf(artifact.config, getattr(artifact, "architecture", None))
+        n = cfg.num_hidden_layers
+        if not (0 <= layers.start < layers.stop <= n and layers.step == 1):
+            raise LoadError(f"stage layers {layers.start}..{layers.stop - 1} outside the model's {n} layers")
+        if layers.start and layers.start not in stage_cuts(cfg):
+            raise LoadError(f"a stage cannot start at layer {layers.start}: a later layer reads the K/V of a layer "
+                            "before it")
+        first, last = layers.start == 0, layers.stop == n
+
+        def wanted(name: str) -> bool:
+            m = re.match(r"layers\.(\d+)\.", name)
+            if m is not None:
+                return int(m.group(1)) in layers
+            if name == "embed_tokens.weight":
+                return first or last  # the last stage's tied LM head
+            if name.startswith("norm.") or name == "lm_head.weight":
+                return last
+            return first  # the per-layer input tables and projection
+
+        state = text_state(artifact, cfg, wanted)
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        if tied:
+            state.pop("lm_head.weight", None)
+            if last and not first:
+                state["lm_head.weight"] = state.pop("embed_tokens.weight")
+        elif not first:
+            state.pop("embed_tokens.weight", None)
+        with torch.device("meta"):
+            model = Gemma4TextModel(cfg)
+        for i in range(n):
+            if i not in layers:
+                model.layers[i] = torch.nn.Identity()  # held by another stage
+        if not first:
+            model.embed_tokens = None
+            for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
+                if hasattr(model, name):
+                    setattr(model, name, None)
+        if not last:
+            model.norm = model.lm_head = None
+        share = first and last and tied
+        assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if share else set())
+        if share:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.init_rotary(dev)
+        return Gemma4StageRunner(model, cfg, dev, run_dtype, layers, eos_token_ids=_eos_ids(artifact))
 
     def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
         """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as
@@ -81,7 +138,17 @@ class Gemma4Family(ModelFamily):
         return {"thinking": dict(SAMPLING_PRESET), "non_thinking": dict(SAMPLING_PRESET)}
 
 
-def text_state(artifact, cfg: Gemma4Config) -> dict[str, torch.Tensor]:
+def _eos_ids(artifact) -> tuple[int, ...]:
+    tok = getattr(artifact, "tokenizer_section", None)
+    if not isinstance(tok, dict):
+        return ()
+    by_text = {t.get("content"): t.get("id") for t in tok.get("added_tokens", [])}
+    return tuple(by_text[e] for e in tok.get("eos_tokens", []) if by_text.get(e) is not None)
+
+
+def text_state(artifact, cfg: Gemma4Config, wanted=None) -> dict[str, torch.Tensor]:
+    """The text model's tensors by their model names; `wanted(name)` (a pipeline stage) picks
+    which are read at all."""
     names = [n for n in artifact.tensor_names() if not n.startswith(MEDIA_PREFIXES)]
     prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), None)
     if prefix is None:
@@ -93,8 +160,9 @@ def text_state(artifact, cfg: Gemma4Config) -> dict[str, torch.Tensor]:
             m = _SHARED_KV.match(short)
             if m and cfg.shares_kv(int(m.group(1))):
                 continue
-            state[short] = artifact.get_tensor(n)
-        elif n == "lm_head.weight":
+            if wanted is None or wanted(short):
+                state[short] = artifact.get_tensor(n)
+        elif n == "lm_head.weight" and (wanted is None or wanted(n)):
             state[n] = artifact.get_tensor(n)
     return state
 

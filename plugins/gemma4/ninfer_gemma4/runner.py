@@ -78,6 +78,13 @@ class Gemma4Runner(ModelRunner):
         )
 
     # ---- cache geometry ---------------------------------------------------------------------
+    layer_range: range | None = None  # a pipeline stage's decoder layers (ninfer_gemma4.stage); None: all
+
+    def _kv_layers(self, kind: str) -> tuple[int, ...]:
+        """The layers of `kind` owning a K/V cache that this runner holds."""
+        layers = self.cfg.kv_layers(kind)
+        return layers if self.layer_range is None else tuple(i for i in layers if i in self.layer_range)
+
     @property
     def _elem(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
@@ -96,23 +103,23 @@ class Gemma4Runner(ModelRunner):
 
     def _ring_pages(self, page_size: int) -> int:
         window = self.cfg.sliding_window or 0
-        if not self.cfg.kv_layers(SLIDING) or window <= 0:
+        if not self._kv_layers(SLIDING) or window <= 0:
             return 0
         return -(-(self.max_segment + window - 1) // page_size)
 
     def _ring_bytes_per_token(self) -> int:
         return sum(2 * self.cfg.layer_kv_heads(i) * self.cfg.layer_head_dim(i) * self._elem
-                   for i in self.cfg.kv_layers(SLIDING))
+                   for i in self._kv_layers(SLIDING))
 
     def cache_spec(self) -> CacheSpec:
         cfg, groups = self.cfg, []
-        layers = cfg.kv_layers(GLOBAL)
+        layers = self._kv_layers(GLOBAL)
         if layers:
             kvh, hd = cfg.layer_kv_heads(layers[0]), cfg.layer_head_dim(layers[0])
             groups.append(KVGroup(name=GROUP_NAMES[GLOBAL], layers=layers, kv_heads=kvh, head_dim=hd,
                                   bytes_per_token=2 * len(layers) * kvh * hd * self._elem, page_size=self.page_size))
         ring = self._ring_pages(self.page_size) * self.page_size * self._ring_bytes_per_token()
-        return CacheSpec(kv_groups=tuple(groups), state_bytes=ring, state_layers=cfg.kv_layers(SLIDING))
+        return CacheSpec(kv_groups=tuple(groups), state_bytes=ring, state_layers=self._kv_layers(SLIDING))
 
     def decode_state_bytes(self, context: int) -> int:
         """Ring bytes one decode step moves per lane (`ninfer bench`'s floor): the window's rows read
@@ -136,7 +143,7 @@ class Gemma4Runner(ModelRunner):
         self.kv = {}
         for kind in (SLIDING, GLOBAL):
             rows = (num_slots + extra) * self.ring_pages if kind == SLIDING else num_pages + extra
-            for i in cfg.kv_layers(kind):
+            for i in self._kv_layers(kind):
                 shape = (rows, page_size, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
                 self.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=self.device),
                               torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -146,12 +153,12 @@ class Gemma4Runner(ModelRunner):
     def kv_page_tensors(self) -> tuple:
         """The global layers' K and V pages (a model suspend copies only the pages in use); the
         sliding rings are state slots, copied whole."""
-        return tuple(t for i in self.cfg.kv_layers(GLOBAL) for t in self.kv[i]) if self.kv is not None else ()
+        return tuple(t for i in self._kv_layers(GLOBAL) for t in self.kv[i]) if self.kv is not None else ()
 
     @property
     def _pool_groups(self) -> tuple[str, ...]:
         """The pool's KV group names (cache_spec's, without building the spec on every forward)."""
-        return (GROUP_NAMES[GLOBAL],) if self.cfg.kv_layers(GLOBAL) else ()
+        return (GROUP_NAMES[GLOBAL],) if self._kv_layers(GLOBAL) else ()
 
     def _ring(self, slot: int):
         """The ring rows of `slot` in the sliding layers' tensors."""
@@ -181,7 +188,7 @@ class Gemma4Runner(ModelRunner):
         self._check_slot(src)
         self._check_slot(dst)
         if src != dst:
-            for i in self.cfg.kv_layers(SLIDING):
+            for i in self._kv_layers(SLIDING):
                 for t in self.kv[i]:
                     t[self._ring(dst)] = t[self._ring(src)]
 
@@ -189,7 +196,7 @@ class Gemma4Runner(ModelRunner):
         for i in (src, dst):
             if not 0 <= i < self.num_pages:
                 raise ValueError(f"page id {i} outside the pool of {self.num_pages} pages")
-        for i in self.cfg.kv_layers(GLOBAL):
+        for i in self._kv_layers(GLOBAL):
             k, v = self.kv[i]
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
@@ -197,7 +204,7 @@ class Gemma4Runner(ModelRunner):
     def capture_state(self, slot: int) -> StateImage:
         self._check_slot(slot)
         out = {}
-        for i in self.cfg.kv_layers(SLIDING):
+        for i in self._kv_layers(SLIDING):
             k, v = self.kv[i]
             out[f"ring.k.{i}"] = k[self._ring(slot)].to("cpu", copy=True)
             out[f"ring.v.{i}"] = v[self._ring(slot)].to("cpu", copy=True)
@@ -205,10 +212,10 @@ class Gemma4Runner(ModelRunner):
 
     def restore_state(self, image: StateImage, slot: int) -> None:
         self._check_slot(slot)
-        want = {f"ring.{kv}.{i}" for i in self.cfg.kv_layers(SLIDING) for kv in "kv"}
+        want = {f"ring.{kv}.{i}" for i in self._kv_layers(SLIDING) for kv in "kv"}
         if set(image.tensors) != want:
             raise ValueError("StateImage does not fit this model's sliding-window ring (another model?)")
-        for i in self.cfg.kv_layers(SLIDING):
+        for i in self._kv_layers(SLIDING):
             for kv, dst in zip("kv", self.kv[i]):
                 src = image.tensors[f"ring.{kv}.{i}"]
                 view = dst[self._ring(slot)]
@@ -221,7 +228,7 @@ class Gemma4Runner(ModelRunner):
     def read_pages(self, pages):
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
         out = {}
-        for i in self.cfg.kv_layers(GLOBAL):
+        for i in self._kv_layers(GLOBAL):
             k, v = self.kv[i]
             out[f"k.{i}"] = k.index_select(0, idx).to("cpu", copy=True)
             out[f"v.{i}"] = v.index_select(0, idx).to("cpu", copy=True)
@@ -229,7 +236,7 @@ class Gemma4Runner(ModelRunner):
 
     def write_pages(self, pages, data) -> None:
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        layers = self.cfg.kv_layers(GLOBAL)
+        layers = self._kv_layers(GLOBAL)
         if set(data) != {f"{kv}.{i}" for i in layers for kv in "kv"}:
             raise ValueError("KV data does not fit this model's pages (another model)")
         for i in layers:

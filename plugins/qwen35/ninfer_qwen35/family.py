@@ -104,16 +104,20 @@ class Qwen35Family(ModelFamily):
         n = cfg.num_hidden_layers
         if not (0 <= layers.start < layers.stop <= n and layers.step == 1):
             raise LoadError(f"stage layers {layers.start}..{layers.stop - 1} outside the model's {n} layers")
-        text_names = [m for m in artifact.tensor_names() if not m.startswith(("mtp.", "model.visual."))]
+        all_names = list(artifact.tensor_names())
+        text_names = [m for m in all_names if not m.startswith(("mtp.", "model.visual."))]
         first, last = layers.start == 0, layers.stop == n
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in text_names
+        # the MTP head lives on the last stage, beside the final hidden and the LM head it drafts
+        # from; it embeds its tokens, so that stage keeps the embedding matrix too
+        mtp_names = [m for m in all_names if m.startswith("mtp.")] if last else []
 
         def wanted(name: str) -> bool:  # read only this stage's tensors (a random source draws what it is asked)
             m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
             if m is not None:
                 return int(m.group(1)) in layers
             if name.endswith("embed_tokens.weight"):
-                return first or (last and tied)
+                return first or (last and (tied or bool(mtp_names)))
             return last
 
         state = _text_state(artifact, [m for m in text_names if wanted(m)], cfg)
@@ -124,7 +128,7 @@ class Qwen35Family(ModelFamily):
                 if int(m.group(1)) in layers:
                     keep[name] = t
             elif name == "embed_tokens.weight":
-                if first:
+                if first or mtp_names:
                     keep[name] = t
                 if last and tied and not first:  # the head is the embedding matrix: the last stage holds a copy
                     keep["lm_head.weight"] = t
@@ -134,17 +138,27 @@ class Qwen35Family(ModelFamily):
         with torch.device("meta"):
             model = Qwen35TextModel(cfg, layers)
         share = first and last and tied
+        embed_copy = keep.pop("embed_tokens.weight", None) if (mtp_names and not first) else None
         assign_weights(model, keep, run_dtype, dev, skip={"lm_head.weight"} if share else set())
         if share:
             model.lm_head.weight = model.embed_tokens.weight
+        if embed_copy is not None:  # the MTP head's embeddings (the first stage embeds the prompt)
+            model.embed_tokens = torch.nn.Embedding.from_pretrained(
+                model.lm_head.weight if tied else embed_copy.to(device=dev, dtype=run_dtype), freeze=True)
         model.init_rotary(dev)
+        mtp = None
+        if mtp_names:
+            with torch.device("meta"):
+                mtp = MtpHead(cfg)
+            assign_weights(mtp, fuse_experts({m.removeprefix("mtp."): artifact.get_tensor(m) for m in mtp_names}),
+                           run_dtype, dev)
         tok = getattr(artifact, "tokenizer_section", None)
         eos = eos_token_ids(tok) if isinstance(tok, dict) else ()
         if dev.type == "cuda":  # the fast path's kernels, eager (a stage captures no decode graph)
             from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
-            return GpuQwen35Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
-        return HybridRunner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+            return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
+        return HybridRunner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos)
 
     # ---- vision (model.visual.*; ninfer_core.media) ---------------------------------------------
     def media_processor(self, artifact):

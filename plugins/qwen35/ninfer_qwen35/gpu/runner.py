@@ -291,16 +291,25 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
 
     @torch.inference_mode()
     def forward_stage(self, batch: ForwardBatch, hidden: torch.Tensor | None = None):
-        """A pipeline stage's part of a forward on the fast path's kernels (eager decode: the
-        stage's input is another process's tensor); verify and side inputs are not served here."""
+        """A pipeline stage's part of a forward on the fast path's kernels, eagerly (the stage's
+        input is another process's tensor): prefill, decode and verify (the MTP head's ride-along
+        on the stage holding it). Side inputs (media) and layer outputs run the reference stage
+        forward over the same caches and weights (`commit` finishes a reference verify the
+        reference way)."""
         if self._whole and hidden is None:
             return self.forward(batch)
         self._check(batch)
         segs = batch.segments
+        self._stage_taps = {}
         if (hidden is None) != self.model.first:
             raise ValueError("the first stage embeds the tokens; every later stage needs the previous stage's hidden")
-        if any(s.side is not None or not set(s.hidden) <= {FINAL_HIDDEN} or s.kind == VERIFY for s in segs):
-            raise NotImplementedError("a pipeline stage on the fast path runs plain prefill and decode segments")
+        kinds = {s.kind for s in segs}
+        if any(s.side is not None or not set(s.hidden) <= {FINAL_HIDDEN} for s in segs) or (
+                VERIFY in kinds and kinds != {VERIFY}):
+            self._last_verify = None
+            return super().forward_stage(batch, hidden)
+        if kinds == {VERIFY}:
+            return self._verify_stage(segs, hidden)
         if {s.kind for s in segs} == {DECODE}:
             rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
             width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
@@ -321,6 +330,8 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             ids = torch.tensor([int(t) for t in s.tokens], dtype=torch.int64, device=self.device)
             h = self._prefill_body(seg, ids, snap=s.snapshot,
                                    hidden=None if hidden is None else hidden[off: off + len(s)])
+            if self.draft is not None:  # the stage holding the MTP head: its K/V rows of the chunk
+                self._prefill_ride_along(s, ids, h)
             parts.append(self._output(s, h) if self.model.last else h)
             off += len(s)
         return parts if self.model.last else torch.cat(parts)

@@ -101,14 +101,45 @@ class VerifyMixin:
             outs.append(SegmentOutput(lg, {FINAL_HIDDEN: hidden[rows].clone()} if FINAL_HIDDEN in s.hidden else {}))
         return outs
 
-    def _verify_body(self, b: int, t: int, meta: torch.Tensor, width: int, lane_slots: torch.Tensor):
-        """B lanes x T rows described by meta[:b*t] -> (final hidden [B*T, H], what commit needs)."""
+    def _verify_stage(self, segs, hidden: torch.Tensor | None):
+        """A pipeline stage's verify (eager): the packed rows [sum(T), H] in and out, B x T inside
+        (a later stage's padding rows are zeros; a padding row never reaches a lane's rows)."""
+        b, t = len(segs), max(len(s.tokens) for s in segs)
+        slots = [s.slot for s in segs]
+        width = max(-(-s.end // self.cache.page_size) for s in segs)
+        meta = self._verify_meta(segs, t, width).to(self.device)
+        lane_slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        rows = torch.tensor([i * t + j for i, s in enumerate(segs) for j in range(len(s.tokens))],
+                            dtype=torch.int64, device=self.device)
+        x = None
+        if hidden is not None:
+            x = torch.zeros(b * t, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+            x.index_copy_(0, rows, hidden)
+        out, saved = self._verify_body(b, t, meta, width, lane_slots, x)
+        self._last_verify = {"b": b, "t": t, "slots": slots, "saved": saved, "hidden": out, "graph": None}
+        for s in segs:
+            self._uncommitted[s.slot] = True
+        if not self.model.last:
+            return out.index_select(0, rows)
+        logits = self.model.logits(out)
+        outs = []
+        for i, s in enumerate(segs):
+            n = len(s.tokens)
+            r = slice(i * t, i * t + n)
+            lg = logits[r] if s.logits == LOGITS_ALL else (logits[i * t + n - 1] if s.logits == LOGITS_LAST else None)
+            outs.append(SegmentOutput(lg, {FINAL_HIDDEN: out[r]} if FINAL_HIDDEN in s.hidden else {}))
+        return outs
+
+    def _verify_body(self, b: int, t: int, meta: torch.Tensor, width: int, lane_slots: torch.Tensor,
+                     hidden: torch.Tensor | None = None):
+        """B lanes x T rows described by meta[:b*t] -> (final hidden [B*T, H], what commit needs);
+        a pipeline stage after the first starts from the previous stage's rows `hidden` [B*T, H]."""
         n = b * t
         m = meta[:n]
         ids, pos, slots, lens, wpage, wrow = m[:, :_META].t().contiguous()
         table = m[:, _META: _META + width]
         model = self.model
-        x = model.embed_tokens(ids)
+        x = model.embed_tokens(ids) if hidden is None else hidden
         cos, sin = model.rotary.cos_sin(pos, x.dtype)
         saved: dict = {}
 
