@@ -153,9 +153,9 @@ def supported(x, w) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _finish(acc, acc_u, yoff, roff, nidx, mask, Y, B, R,
-                DT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                ROUND: tl.constexpr):
+    def _finish(acc, acc_u, yoff, roff, nidx, mask, X, Y, B, R,
+                GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr):
+        DT = X.dtype.element_ty  # the activations' dtype: the roundings of the torch ops
         if GATED:
             g = acc.to(DT).to(tl.float32)
             u = acc_u.to(DT).to(tl.float32)
@@ -172,11 +172,11 @@ if HAVE_TRITON:
         tl.store(Y + yoff, out.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, Y, B, R, P, CNT, M, N,
-                       SPLIT_K: tl.constexpr, DT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, X, Y, B, R, P, CNT, M, N,
+                       SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        HAS_RES: tl.constexpr, ROUND: tl.constexpr):
         if SPLIT_K == 1:
-            _finish(acc, acc_u, yoff, roff, nidx, mask, Y, B, R, DT, GATED, HAS_BIAS, HAS_RES, ROUND)
+            _finish(acc, acc_u, yoff, roff, nidx, mask, X, Y, B, R, GATED, HAS_BIAS, HAS_RES, ROUND)
         else:
             mn = M * N
             tl.store(P + pid_k * mn + poff, acc, mask=mask)
@@ -193,7 +193,7 @@ if HAVE_TRITON:
                     if GATED:
                         tot_u += tl.load(P + (SPLIT_K + s) * mn + poff, mask=mask, other=0.0,
                                          cache_modifier=".cg")
-                _finish(tot, tot_u, yoff, roff, nidx, mask, Y, B, R, DT, GATED, HAS_BIAS, HAS_RES, ROUND)
+                _finish(tot, tot_u, yoff, roff, nidx, mask, X, Y, B, R, GATED, HAS_BIAS, HAS_RES, ROUND)
                 tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch / graph replay
 
     @triton.jit
@@ -203,7 +203,6 @@ if HAVE_TRITON:
                      GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        DT = X.dtype.element_ty
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         rows = tl.where(n_mask, offs_n, 0).to(tl.int64)  # rows past N read row 0: no N mask on the loads
@@ -270,8 +269,8 @@ if HAVE_TRITON:
             yoff = offs_n
             roff = offs_n
             nidx = offs_n
-        _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, Y, B, R, P, CNT, M, N,
-                       SPLIT_K, DT, GATED, HAS_BIAS, HAS_RES, ROUND)
+        _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, X, Y, B, R, P, CNT, M, N,
+                       SPLIT_K, GATED, HAS_BIAS, HAS_RES, ROUND)
 
 
 def _launch(cfg: Config, x, w, y, bias, residual, gated: bool, n_out: int, round_out: bool):
