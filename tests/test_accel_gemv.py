@@ -1,7 +1,7 @@
 """ninfer_core.accel.gemv, the decode GEMV: the Triton kernel against torch / float64 under the
 interpreter (tests/accel_gemv_cases.py, one subprocess per case since TRITON_INTERPRET must be set
 before triton is imported) for the FMA and tensor-core paths, split-K, the gated and residual
-epilogues; and the dispatch rules (what falls back to the reference) in this process."""
+epilogues, the grouped-expert MoE GEMVs (ninfer_core.accel.moe_gemv); and the dispatch rules (what falls back to the reference) in this process."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _run(case: str):
 
 
 @pytest.mark.parametrize("case", ["plain", "gated", "epilogues", "split_counters_and_determinism",
-                                  "fp32_and_default_pick"])
+                                  "fp32_and_default_pick", "moe_grouped"])
 def test_gemv_kernel_under_the_interpreter(case):
     pytest.importorskip("triton")
     _run(case)

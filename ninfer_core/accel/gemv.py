@@ -125,11 +125,11 @@ _TUNED: dict = {}  # (device, variant, N, K, bucket, dtype) -> Config
 COUNTER_SLOTS = 1 << 16
 
 
-def _counters(device, tiles: int) -> torch.Tensor:
+def _counters(device) -> torch.Tensor:
+    """The device's split-K counters: made once and never replaced (captured graphs point at them)."""
     c = _COUNTERS.get(device)
-    if c is None or c.numel() < tiles:
-        c = torch.zeros(max(COUNTER_SLOTS, tiles), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return c
 
 
@@ -277,9 +277,9 @@ def _launch(cfg: Config, x, w, y, bias, residual, gated: bool, n_out: int, round
     m, k = x.shape
     assert cfg.dot or m == 1, "the FMA path is for one row"
     assert y.shape == (m, n_out) and y.stride(1) == 1
-    split = split_for(cfg, n_out, k, x.device)
     tiles = -(-n_out // cfg.block_n)
-    cnt = _counters(x.device, tiles)
+    split = split_for(cfg, n_out, k, x.device) if tiles <= COUNTER_SLOTS else 1
+    cnt = _counters(x.device)
     part = (torch.empty((2 if gated else 1) * split, m, n_out, dtype=torch.float32, device=x.device)
             if split > 1 else cnt)
     r = residual if residual is not None else y

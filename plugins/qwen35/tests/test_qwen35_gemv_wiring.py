@@ -72,3 +72,37 @@ def test_gpu_runner_decode_through_the_gemv_matches_torch_linears():
     r = subprocess.run([sys.executable, "-c", CASE], env=env, capture_output=True, text=True, timeout=900,
                        check=False)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+MOE_CASE = textwrap.dedent("""
+    import torch
+    from ninfer_qwen35.gpu import moe_kernels as MK
+    g = torch.Generator().manual_seed(3)
+    e, hidden, inter, k = 12, 96, 48, 4
+    dt = torch.float16  # the interpreter rounds bf16 by truncation
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=g).to(dt)
+    down = (torch.randn(e, hidden, inter, generator=g) / 4).to(dt)
+    sh = (torch.randn(inter, hidden, generator=g).to(dt), torch.randn(inter, hidden, generator=g).to(dt),
+          (torch.randn(hidden, inter, generator=g) / 4).to(dt), torch.randn(1, hidden, generator=g).to(dt))
+    for n in (1, 5, 8):
+        x = torch.randn(n, hidden, generator=g).to(dt)
+        top_w, top_i = MK.ref_route_topk(torch.randn(n, e, generator=g).to(dt), k, True)
+        for shared in (None, sh):
+            ref = MK.ref_moe_decode(x, top_w, top_i, gate_up, down, shared)
+            old = MK.moe_decode(x, top_w, top_i, gate_up, down, shared)
+            new = MK.moe_decode(x, top_w, top_i, gate_up, down, shared, grouped=True)
+            e1 = float((new.float() - ref.float()).norm() / ref.float().norm())
+            e2 = float((new.float() - old.float()).norm() / old.float().norm())
+            assert torch.isfinite(new).all() and e1 < 1e-2 and e2 < 1e-2, (n, e1, e2)
+    print("ok")
+""")
+
+
+def test_moe_decode_grouped_experts_matches_the_per_pair_kernels_and_reference():
+    """qwen35's MoE decode with the grouped-expert GEMVs (ninfer_core.accel.moe_gemv, the switch
+    the runner sets from NINFER_GEMV) against the per-(token, slot) kernels and the torch reference."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", MOE_CASE], env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

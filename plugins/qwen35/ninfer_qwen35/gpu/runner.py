@@ -567,18 +567,17 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             return GV.gemv(hidden, lm.weight, out_dtype=torch.float32)
         return self.model.logits(hidden)
 
-    @staticmethod
-    def _moe_few_tokens(mlp, h):
+    def _moe_few_tokens(self, mlp, h):
         """MoE for a decode round (a few tokens): the router's logits by one matmul, then four
         Triton launches (gpu/moe_kernels.py): softmax/top-k/normalise; gate/up + SiLU*up and
         down GEMVs that read each chosen expert's rows straight from the fused expert tensors by
         the ids on the device; the routing-weight combine + gated shared expert. No expert counts
         come back to the host, so the round has no synchronisation and is CUDA-graph safe."""
         router = mlp.gate
-        top_w, top_i = MK.route_topk(F.linear(h, router.weight), router.top_k, router.normalize)  # [N, k]
+        top_w, top_i = MK.route_topk(self._lin(h, router.weight), router.top_k, router.normalize)  # [N, k]
         ex, se = mlp.experts, mlp.shared_expert
         shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, mlp.shared_expert_gate.weight)
-        return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared)
+        return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared, grouped=self.gemv)
 
     # ---- prefill -----------------------------------------------------------------------------------
     def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None,
