@@ -32,7 +32,8 @@ host-resident experts' decode rate against the measured host-to-device bandwidth
 
 Decode at the bandwidth limit (issue 21): `--order decode` runs scripts/decode_bench.py's kernel table
 (our GEMV against torch/cuBLAS against the read stream, every decode shape of `--decode-shapes` at
-M = 1, 2, 4, 8, each cell checked against torch), the engine's 8-concurrent-greedy test with the
+M = 1, 2, 4, 8, each cell checked against torch; the MoE experts grouped vs per pair), the GPU tests
+of the kernels, the MoE paths, graph replay and the engine's 8-concurrent greedy check with the
 GEMV on, then `ninfer bench` decode b1 and b8 for each shape with NINFER_GEMV=1 and 0 (no prefill,
 transformers or HTTP parts), as far as --budget allows (about 7 minutes for the three shapes).
 
@@ -84,7 +85,7 @@ def main() -> int:
                     help="shapes of the quantisation part (--order quant)")
     ap.add_argument("--decode-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"],
                     help="shapes of the decode part (--order decode)")
-    ap.add_argument("--decode-kernel-budget", type=float, default=110,
+    ap.add_argument("--decode-kernel-budget", type=float, default=90,
                     help="seconds for scripts/decode_bench.py's kernel table (--order decode)")
     ap.add_argument("--vision-args", default="--shape 27b", help="arguments of scripts/vision_bench.py "
                     "(--order ...,vision)")
@@ -275,12 +276,16 @@ def main() -> int:
         start = text.find("decode bench")
         summary.append(text[start:].strip() if start >= 0 else text[-4000:])
         left = a.budget - (time.monotonic() - t_start)
-        if left > 150:
+        if left > 180:
             rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                                "tests/gpu/test_gpu_model.py", "-k", "concurrent or graph_replay"],
-                               os.path.join(a.out, "decode-greedy.log"), min(150, left - 60))
-            summary.append(f"== decode greedy / graph checks (GEMV on) rc={rc} in {dt:.0f} s")
-            summary.extend(ln for ln in text.splitlines() if ln.startswith(("8 concurrent", "graph vs", "peak"))
+                                "tests/gpu/test_gpu_gemv.py", "tests/gpu/test_gpu_moe.py",
+                                "tests/gpu/test_gpu_model.py::test_cuda_graph_replay_equals_eager",
+                                "tests/gpu/test_gpu_model.py::test_engine_8_concurrent_greedy_equals_each_alone"],
+                               os.path.join(a.out, "decode-greedy.log"), min(180, left - 60))
+            summary.append(f"== decode GPU tests: GEMV kernels, MoE paths, graph replay, 8 concurrent greedy "
+                           f"(GEMV on) rc={rc} in {dt:.0f} s")
+            summary.extend(ln for ln in text.splitlines() if ln.startswith(("8 concurrent", "graph vs", "peak",
+                                                                            "gemv ", "grouped ", "MoE "))
                            or " passed" in ln or " failed" in ln)
             if rc != 0:
                 summary.append(text[-3000:])
@@ -297,7 +302,7 @@ def main() -> int:
                 js = os.path.join(a.out, f"decode-bench-{tag}.json")
                 cmd = ["env", f"NINFER_GEMV={gemv}", sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape,
                        "--json", js, "--no-hf", "--http-clients=", "--prefill-lens=", "--long-context", "0",
-                       "--decode-batches", "1,8", "--decode-steps", "48", "--repeats", "1"]
+                       "--decode-batches", "1,8", "--decode-steps", "32", "--repeats", "1"]
                 rc, dt, text = run(cmd, os.path.join(a.out, f"decode-bench-{tag}.log"), left - 10)
                 if rc != 0 or not os.path.exists(js):
                     rows.append(f"{shape:16} GEMV={gemv}: rc={rc} in {dt:.0f} s\n{text[-2000:]}")
