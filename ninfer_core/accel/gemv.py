@@ -310,7 +310,9 @@ def _pick(variant: str, x, w, n_out: int, run) -> Config:
 
 def _tune(cands: list[Config], w, run) -> Config:
     """Time each candidate over rotating copies of w (together past 3x the L2 cache, so every call
-    streams from DRAM); `run(cfg, w)` launches one call. Candidates that fail to compile are skipped."""
+    streams from DRAM); `run(cfg, w)` launches one call. The calls are timed as a CUDA-Graph replay:
+    launched one by one from Python they would take longer on the host than a small matrix takes on
+    the device, and every candidate would time the same. Candidates that fail to compile are skipped."""
     dev = w.device
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size or (50 << 20)
     one = w.numel() * w.element_size()
@@ -320,29 +322,50 @@ def _tune(cands: list[Config], w, run) -> Config:
     except torch.OutOfMemoryError:
         ws = [w]
     best, best_t = cands[0], float("inf")
-    reps = max(2, 32 // len(ws))
+    reps = max(2, min(16, int(4e9 // (one * len(ws)))))  # about 4 GB read per replay
     for cfg in cands:
         try:
-            run(cfg, ws[0])
+            for wc in ws:
+                run(cfg, wc)
             torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile: not a candidate here
             log.debug("gemv config %s skipped: %s", cfg, e)
             continue
-        times = []
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                for wc in ws:
-                    run(cfg, wc)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        t = sorted(times)[1]
+        t = _replay_time(lambda cfg=cfg, ws=ws: [run(cfg, wc) for _ in range(reps) for wc in ws], dev)
         if t < best_t:
             best, best_t = cfg, t
     del ws
     return best
+
+
+def _replay_time(fn, dev) -> float:
+    """Median ms of three replays of a graph of fn's launches (eager timing if capture fails)."""
+    graph = torch.cuda.CUDAGraph()
+    side, here = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
+    side.wait_stream(here)
+    try:  # capture_begin/end rather than torch.cuda.graph(), which collects garbage and empties the cache
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        replay = graph.replay
+    except RuntimeError as e:
+        log.debug("gemv tuning without a graph: %s", e)
+        replay = fn
+    here.wait_stream(side)
+    replay()
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return sorted(times)[1]
 
 
 def _into(out, y):

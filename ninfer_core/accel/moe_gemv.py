@@ -172,8 +172,8 @@ if HAVE_TRITON:
 
 
 def _consts(n: int, k: int):
-    return dict(KTOP=k, KP=max(2, triton.next_power_of_2(k)), QP=max(2, triton.next_power_of_2(n * k)),
-                BLOCK_M=16)
+    return {"KTOP": k, "KP": max(2, triton.next_power_of_2(k)), "QP": max(2, triton.next_power_of_2(n * k)),
+            "BLOCK_M": 16}
 
 
 def grouped_gate_up_act(x, top_i, gate_up, shared=None):
