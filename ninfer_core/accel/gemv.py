@@ -84,10 +84,10 @@ class Config:
     split: int = 0  # 0: from `waves`; >0 forces it (tests)
 
 
-_FMA = [Config(False, 16, 512, 4, 1, 4), Config(False, 32, 256, 4, 1, 4), Config(False, 8, 512, 4, 1, 8),
-        Config(False, 16, 256, 2, 1, 8)]
-_DOT = [Config(True, 64, 128, 4, 4, 2), Config(True, 32, 256, 4, 3, 4), Config(True, 64, 256, 4, 3, 2),
-        Config(True, 128, 128, 8, 3, 1), Config(True, 16, 256, 4, 4, 4)]
+# few candidates: each compiles once per variant on first use (the split count is a run-time
+# argument, so it adds no compiles)
+_FMA = [Config(False, 16, 512, 4, 1, 4), Config(False, 32, 256, 4, 1, 4), Config(False, 8, 512, 4, 1, 8)]
+_DOT = [Config(True, 64, 128, 4, 4, 2), Config(True, 32, 256, 4, 3, 4), Config(True, 128, 128, 8, 3, 1)]
 
 
 def bucket(m: int) -> int:
@@ -172,10 +172,10 @@ if HAVE_TRITON:
         tl.store(Y + yoff, out.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, X, Y, B, R, P, CNT, M, N,
-                       SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, X, Y, B, R, P, CNT, M, N, SPLIT_K,
+                       SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        HAS_RES: tl.constexpr, ROUND: tl.constexpr):
-        if SPLIT_K == 1:
+        if not SPLIT:
             _finish(acc, acc_u, yoff, roff, nidx, mask, X, Y, B, R, GATED, HAS_BIAS, HAS_RES, ROUND)
         else:
             mn = M * N
@@ -188,7 +188,7 @@ if HAVE_TRITON:
                 tl.debug_barrier()
                 tot = tl.zeros_like(acc)
                 tot_u = tl.zeros_like(acc)
-                for s in tl.static_range(SPLIT_K):
+                for s in range(SPLIT_K):
                     tot += tl.load(P + s * mn + poff, mask=mask, other=0.0, cache_modifier=".cg")
                     if GATED:
                         tot_u += tl.load(P + (SPLIT_K + s) * mn + poff, mask=mask, other=0.0,
@@ -197,9 +197,9 @@ if HAVE_TRITON:
                 tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch / graph replay
 
     @triton.jit
-    def _gemv_kernel(X, W, Y, B, R, P, CNT, M, N, K, U_OFF, s_xm, s_wn, s_ym, s_rm,
+    def _gemv_kernel(X, W, Y, B, R, P, CNT, M, N, K, U_OFF, SPLIT_K, s_xm, s_wn, s_ym, s_rm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                      GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -269,8 +269,8 @@ if HAVE_TRITON:
             yoff = offs_n
             roff = offs_n
             nidx = offs_n
-        _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, X, Y, B, R, P, CNT, M, N,
-                       SPLIT_K, GATED, HAS_BIAS, HAS_RES, ROUND)
+        _reduce_finish(acc, acc_u, poff, yoff, roff, nidx, mask, pid_n, pid_k, X, Y, B, R, P, CNT, M, N, SPLIT_K,
+                       SPLIT, GATED, HAS_BIAS, HAS_RES, ROUND)
 
 
 def _launch(cfg: Config, x, w, y, bias, residual, gated: bool, n_out: int, round_out: bool):
@@ -284,9 +284,9 @@ def _launch(cfg: Config, x, w, y, bias, residual, gated: bool, n_out: int, round
             if split > 1 else cnt)
     r = residual if residual is not None else y
     _gemv_kernel[(tiles, split)](
-        x, w, y, bias if bias is not None else w, r, part, cnt, m, n_out, k, n_out if gated else 0,
+        x, w, y, bias if bias is not None else w, r, part, cnt, m, n_out, k, n_out if gated else 0, split,
         x.stride(0), w.stride(0), y.stride(0), r.stride(0),
-        BLOCK_M=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, DOT=cfg.dot,
+        BLOCK_M=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, DOT=cfg.dot,
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32 or not x.is_cuda, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, ROUND=round_out, num_warps=cfg.warps, num_stages=cfg.stages,
     )
