@@ -32,6 +32,13 @@ parity with transformers at the real widths past the indexer's dense threshold, 
 to device ones) and `python -m ninfer_flash_next.gpu.bench` (prefill and decode against transformers,
 host-resident experts' decode rate against the measured host-to-device bandwidth).
 
+Decode at the bandwidth limit (issue 21): `--order decode` runs scripts/decode_bench.py's kernel table
+(our GEMV against torch/cuBLAS against the read stream, every decode shape of `--decode-shapes` at
+M = 1, 2, 4, 8, each cell checked against torch; the MoE experts grouped vs per pair), the GPU tests
+of the kernels, the MoE paths, graph replay and the engine's 8-concurrent greedy check with the
+GEMV on, then `ninfer bench` decode b1 and b8 for each shape with NINFER_GEMV=1 and 0 (no prefill,
+transformers or HTTP parts), as far as --budget allows (about 7 minutes for the three shapes).
+
 Quantisation (issue 22): `--order quant --tests --bench` benches the 9B and 27B shapes with bf16,
 int8 and int4 weights (decode b1 against the packed-byte floor, prefill 4096 against bf16) and
 prints the tokens `--kv-capacity auto` fits with bf16 / int8 / k8v4 KV.
@@ -78,6 +85,10 @@ def main() -> int:
                     help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
     ap.add_argument("--quant-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b"],
                     help="shapes of the quantisation part (--order quant)")
+    ap.add_argument("--decode-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"],
+                    help="shapes of the decode part (--order decode)")
+    ap.add_argument("--decode-kernel-budget", type=float, default=90,
+                    help="seconds for scripts/decode_bench.py's kernel table (--order decode)")
     ap.add_argument("--vision-args", default="--shape 27b", help="arguments of scripts/vision_bench.py "
                     "(--order ...,vision)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
@@ -266,9 +277,61 @@ def main() -> int:
         summary.extend(ln[ln.find("PARITY"):] if "PARITY" in ln else ln for ln in text.splitlines()
                        if "PARITY" in ln or " passed" in ln or " failed" in ln)
 
+    def part_decode():
+        """Issue 21: the GEMV kernel table, the greedy check, ninfer bench with the GEMV on and off."""
+        left = a.budget - (time.monotonic() - t_start)
+        kb = min(a.decode_kernel_budget, max(30, left - 300))
+        rc, dt, text = run([sys.executable, "scripts/decode_bench.py", "--no-models", "--budget", str(kb),
+                            "--json", os.path.join(a.out, "decode-kernels.json"), "--shapes", *a.decode_shapes],
+                           os.path.join(a.out, "decode-kernels.log"), kb + 60)
+        summary.append(f"== decode kernels rc={rc} in {dt:.0f} s")
+        start = text.find("decode bench")
+        summary.append(text[start:].strip() if start >= 0 else text[-4000:])
+        left = a.budget - (time.monotonic() - t_start)
+        if left > 180:
+            rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                "tests/gpu/test_gpu_gemv.py", "tests/gpu/test_gpu_moe.py",
+                                "tests/gpu/test_gpu_model.py::test_cuda_graph_replay_equals_eager",
+                                "tests/gpu/test_gpu_model.py::test_engine_8_concurrent_greedy_equals_each_alone"],
+                               os.path.join(a.out, "decode-greedy.log"), min(180, left - 60))
+            summary.append(f"== decode GPU tests: GEMV kernels, MoE paths, graph replay, 8 concurrent greedy "
+                           f"(GEMV on) rc={rc} in {dt:.0f} s")
+            summary.extend(ln for ln in text.splitlines() if ln.startswith(("8 concurrent", "graph vs", "peak",
+                                                                            "gemv ", "grouped ", "MoE "))
+                           or " passed" in ln or " failed" in ln)
+            if rc != 0:
+                summary.append(text[-3000:])
+        else:
+            summary.append(f"== decode greedy check: skipped, {left:.0f} s left")
+        rows = []
+        for shape in a.decode_shapes:
+            for gemv in ("1", "0"):
+                left = a.budget - (time.monotonic() - t_start)
+                if left < 50:
+                    rows.append(f"{shape:16} GEMV={gemv}: skipped, {left:.0f} s left")
+                    continue
+                tag = f"{shape.replace('/', '_')}-gemv{gemv}"
+                js = os.path.join(a.out, f"decode-bench-{tag}.json")
+                cmd = ["env", f"NINFER_GEMV={gemv}", sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape,
+                       "--json", js, "--no-hf", "--http-clients=", "--prefill-lens=", "--long-context", "0",
+                       "--decode-batches", "1,8", "--decode-steps", "32", "--repeats", "1"]
+                rc, dt, text = run(cmd, os.path.join(a.out, f"decode-bench-{tag}.log"), left - 10)
+                if rc != 0 or not os.path.exists(js):
+                    rows.append(f"{shape:16} GEMV={gemv}: rc={rc} in {dt:.0f} s\n{text[-2000:]}")
+                    continue
+                with open(js) as f:
+                    dec = json.load(f)["decode"]
+                d1, d8 = dec.get("1") or dec.get(1), dec.get("8") or dec.get(8)
+                rows.append(f"{shape:16} GEMV={gemv}  b1 {d1['total_tok_s']:7.1f} tok/s x{d1['vs_floor']:.2f} of floor "
+                            f"{d1['floor_total_tok_s']:7.1f}   b8 {d8['total_tok_s']:8.1f} tok/s x{d8['vs_floor']:.2f}   "
+                            f"b8/b1 {d8['total_tok_s'] / d1['total_tok_s']:.2f}   ({dt:.0f} s)")
+        summary.append("== decode: ninfer bench, GEMV on (1) / off (0); targets b1 >= 0.85 of the read floor "
+                       "(dense), 0.75 (35B-A3B); b8 >= 7x b1 (dense), 5x (MoE)")
+        summary.extend(rows)
+
     parts = {"tests": part_tests, "replay": part_replay, "bench": part_bench, "gemma4": part_gemma4,
              "dflash": part_dflash, "pipeline": part_pipeline, "flash_next": part_flash_next, "quant": part_quant,
-             "vision": part_vision}
+             "vision": part_vision, "decode": part_decode}
     for name in a.order.split(","):
         parts[name.strip()]()
 

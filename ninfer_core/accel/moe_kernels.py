@@ -34,6 +34,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ninfer_core.accel import moe_gemv as MG
 from ninfer_core.accel.kernels import HAVE_TRITON, silu_mul, use_triton
 
 if HAVE_TRITON:
@@ -316,9 +317,11 @@ DOWN_BH, DOWN_BK = 16, 512
 COMBINE_BH = 1024
 
 
-def moe_decode(x, top_w, top_i, gate_up, down, shared=None):
+def moe_decode(x, top_w, top_i, gate_up, down, shared=None, grouped: bool = False):
     """The MoE block for a few tokens (see ref_moe_decode for the arguments): three Triton
-    launches when triton runs on x's device, otherwise the reference."""
+    launches when triton runs on x's device, otherwise the reference. `grouped`: gate/up and down
+    through ninfer_core.accel.moe_gemv (each expert the round chose read once for all its tokens)
+    for rounds of up to its MAX_TOKENS tokens, the same combine after."""
     if not use_triton(x) or x.dim() != 2:
         return ref_moe_decode(x, top_w, top_i, gate_up, down, shared)
     n, hidden = x.shape
@@ -330,7 +333,7 @@ def moe_decode(x, top_w, top_i, gate_up, down, shared=None):
     top_w = top_w.contiguous()
     if shared is not None and shared[0].shape != (inter, hidden):
         # a shared expert of another width than the routed ones: it runs in torch, the same math
-        routed = moe_decode(x, top_w, top_i, gate_up, down, None)
+        routed = moe_decode(x, top_w, top_i, gate_up, down, None, grouped)
         wg, wu, wd, wsg = shared
         s = F.linear(silu_mul(torch.cat([F.linear(x, wg), F.linear(x, wu)], dim=-1)), wd)
         return routed + torch.sigmoid(F.linear(x, wsg)) * s
@@ -343,6 +346,10 @@ def moe_decode(x, top_w, top_i, gate_up, down, shared=None):
         wg = wu = wd = gate_up  # unused pointers (of the weights' type, as the branches need)
         wsg = x
     slots = k + (1 if has_shared else 0)
+    if grouped and n <= MG.MAX_TOKENS:
+        act = MG.grouped_gate_up_act(x, top_i, gate_up, (wg, wu) if has_shared else None)
+        y = MG.grouped_down(act, top_i, down, wd if has_shared else None)
+        return _combine(x, y, top_w, wsg, n, hidden, k, slots, has_shared)
     act = torch.empty(n * slots, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_act_kernel[(n * slots, triton.cdiv(inter, GATE_UP_BN))](
         x, top_i, gate_up, wg, wu, act, hidden, inter,
@@ -350,13 +357,16 @@ def moe_decode(x, top_w, top_i, gate_up, down, shared=None):
         KTOP=k, SLOTS=slots, HAS_SHARED=has_shared, BN=GATE_UP_BN,
         BK=min(GATE_UP_BK, triton.next_power_of_2(hidden)), num_warps=4,
     )
-    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(n * slots, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(n * slots, triton.cdiv(hidden, DOWN_BH))](
         act, top_i, down, wd, y, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), wd.stride(0), y.stride(0),
         KTOP=k, SLOTS=slots, BH=DOWN_BH, BK=min(DOWN_BK, triton.next_power_of_2(inter)), num_warps=4,
     )
+    return _combine(x, y, top_w, wsg, n, hidden, k, slots, has_shared)
+
+
+def _combine(x, y, top_w, wsg, n, hidden, k, slots, has_shared):
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     bh = min(COMBINE_BH, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(n, triton.cdiv(hidden, bh))](

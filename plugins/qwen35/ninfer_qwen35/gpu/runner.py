@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ninfer_core.accel import gemv as GV
 from ninfer_core.engine.model_api import (
     DECODE,
     FINAL_HIDDEN,
@@ -113,6 +114,9 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         # `_stack` stores them here, and such a forward runs without CUDA Graphs
         self._taps: dict | None = None
         self.info.extra["gpu_path"] = True
+        # decode linears of <= GV.MAX_ROWS rows through our GEMV (issue 21); NINFER_GEMV=0 keeps
+        # cuBLAS (for A/B runs; drop the graphs after flipping it on a live runner)
+        self.gemv = GV.enabled()
 
     @classmethod
     def from_runner(cls, r: Qwen35Runner, cuda_graph: bool = True) -> "GpuQwen35Runner":
@@ -384,7 +388,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
             meta = self._build_meta(rows, tokens, width, rope=rope).to(self.device)
             hidden = self._decode_body(b, meta, width)
-            logits = self.model.logits(hidden)
+            logits = self._logits(hidden)
         return [SegmentOutput(logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL
                                                                         else None),
                               {FINAL_HIDDEN: hidden[i: i + 1].clone()} if FINAL_HIDDEN in s.hidden else {})
@@ -434,14 +438,14 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model.logits(self._decode_body(b, meta, self.table_width))
+                self._logits(self._decode_body(b, meta, self.table_width))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self._decode_body(b, meta, self.table_width)
-            logits = self.model.logits(hidden)
+            logits = self._logits(hidden)
         self._meta_host[:b] = saved
         meta.copy_(self._meta_host)
         self._reset_scratch()
@@ -503,19 +507,19 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         in place, gated RMSNorm with z), out_proj. (A one-launch fusion of the chain was measured on
         the H200 on 2026-12-01: no faster at batch 1, slower at batch 8; it was removed.)"""
         cd, vd, hv = mod.conv_dim, mod.value_dim, mod.hv
-        proj = F.linear(h, self.fused[i].w_in)
+        proj = self._lin(h, self.fused[i].w_in)
         mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
         b_raw, a_raw = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
         conv_out = K.conv_update(mixed, self.cache.conv[i], mod.conv1d.weight[:, 0, :], slots)
         core = K.gdn_decode_inplace(conv_out, a_raw, b_raw, mod.A_log, mod.dt_bias, self.cache.ssm[i], slots,
                                     mod.hk, mod.dk, mod.dv, mod.dk**-0.5)
         out = K.gated_rmsnorm(core.reshape(-1, mod.dv), z.reshape(-1, mod.dv), mod.norm.weight, mod.norm.eps)
-        return F.linear(out.reshape(proj.shape[0], vd), mod.out_proj.weight)
+        return self._lin(out.reshape(proj.shape[0], vd), mod.out_proj.weight)
 
     def _attn_qkv(self, i, mod, h):
         """The fused q+gate|k|v GEMV -> strided views q, gate [N, H, d], k, v [N, KVH, d]."""
         n = h.shape[0]
-        proj = F.linear(h, self.fused[i].w_qkv, self.fused[i].b_qkv)
+        proj = self._lin(h, self.fused[i].w_qkv, self.fused[i].b_qkv)
         hd, nh, kvh = mod.head_dim, mod.heads, mod.kv_heads
         qg = proj[:, : nh * 2 * hd].view(n, nh, 2 * hd)
         k = proj[:, nh * 2 * hd : nh * 2 * hd + kvh * hd].view(n, kvh, hd)
@@ -540,7 +544,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         kc, vc = self.cache.kv[i]
         q = K.qk_norm_rope_kv(q, k, v, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps,
                               kc, vc, wpage, wrow)
-        return mod.o_proj(K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate))
+        return self._module(mod.o_proj, K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate))
 
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
@@ -550,20 +554,42 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             if h.shape[0] <= (MOE_GATHER_MAX_VERIFY_ROWS if self._verifying else MOE_GATHER_MAX_TOKENS):
                 return self._moe_few_tokens(mlp, h)
             return mlp(h)  # MoE block: its own forward (a loop over the experts that got tokens)
+        if self._gemv_ok(h, w):
+            return self._lin(GV.gemv_silu_mul(h, w), mlp.down_proj.weight)
         return F.linear(K.silu_mul(F.linear(h, w)), mlp.down_proj.weight)
 
-    @staticmethod
-    def _moe_few_tokens(mlp, h):
+    # ---- decode linears: the GEMV for a few rows, cuBLAS otherwise (issue 21) -------------------------
+    def _gemv_ok(self, h, w) -> bool:
+        return self.gemv and h.shape[0] <= GV.MAX_ROWS and GV.supported(h, w)
+
+    def _lin(self, h, w, b=None):
+        return GV.gemv(h, w, b) if self._gemv_ok(h, w) and (b is None or b.dtype == h.dtype) else F.linear(h, w, b)
+
+    def _module(self, mod, h):
+        """A Linear module's forward (an encoded weight's own module where it is one)."""
+        w = getattr(mod, "weight", None)
+        if type(mod) is nn.Linear and self._gemv_ok(h, w) and (mod.bias is None or mod.bias.dtype == h.dtype):
+            return GV.gemv(h, w, mod.bias)
+        return mod(h)
+
+    def _logits(self, hidden):
+        """The model's fp32 logits (F.linear rounded to the dtype, then fp32) for a decode step."""
+        lm = getattr(self.model, "lm_head", None)
+        if type(lm) is nn.Linear and lm.bias is None and self._gemv_ok(hidden, lm.weight):
+            return GV.gemv(hidden, lm.weight, out_dtype=torch.float32)
+        return self.model.logits(hidden)
+
+    def _moe_few_tokens(self, mlp, h):
         """MoE for a decode round (a few tokens): the router's logits by one matmul, then four
         Triton launches (gpu/moe_kernels.py): softmax/top-k/normalise; gate/up + SiLU*up and
         down GEMVs that read each chosen expert's rows straight from the fused expert tensors by
         the ids on the device; the routing-weight combine + gated shared expert. No expert counts
         come back to the host, so the round has no synchronisation and is CUDA-graph safe."""
         router = mlp.gate
-        top_w, top_i = MK.route_topk(F.linear(h, router.weight), router.top_k, router.normalize)  # [N, k]
+        top_w, top_i = MK.route_topk(self._lin(h, router.weight), router.top_k, router.normalize)  # [N, k]
         ex, se = mlp.experts, mlp.shared_expert
         shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, mlp.shared_expert_gate.weight)
-        return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared)
+        return MK.moe_decode(h, top_w, top_i, ex.gate_up_proj, ex.down_proj, shared, grouped=self.gemv)
 
     # ---- prefill -----------------------------------------------------------------------------------
     def _prefill_body(self, seg, ids: torch.Tensor, snap: tuple[int, int] | None = None,
