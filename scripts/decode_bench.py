@@ -161,7 +161,7 @@ def moe_table(shape: str, cfg: dict, rows=(1, 2, 4, 8), read_GBps: float = 0.0) 
     """The MoE block of a decode round (router ids given): qwen35's per-(token, slot) expert kernels
     against the grouped-expert GEMVs (each chosen expert read once), bytes = the distinct experts'
     rows + the shared expert's; 16 routings per row count rotate, so the experts come from DRAM."""
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
 
     e, inter, h, k = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"], cfg["num_experts_per_tok"]
     si = cfg.get("shared_expert_intermediate_size") or inter

@@ -76,7 +76,7 @@ def test_gpu_runner_decode_through_the_gemv_matches_torch_linears():
 
 MOE_CASE = textwrap.dedent("""
     import torch
-    from ninfer_qwen35.gpu import moe_kernels as MK
+    from ninfer_core.accel import moe_kernels as MK
     g = torch.Generator().manual_seed(3)
     e, hidden, inter, k = 12, 96, 48, 4
     dt = torch.float16  # the interpreter rounds bf16 by truncation
