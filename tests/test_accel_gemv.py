@@ -58,8 +58,11 @@ def test_supported_rules(monkeypatch):
 
 def test_config_buckets_and_split():
     assert [G.bucket(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
-    assert all(not c.dot for c in G.candidates(1, torch.bfloat16)[:3])
-    assert all(c.dot for c in G.candidates(3, torch.bfloat16))
+    # one candidate list (tensor-core path) for every row count in bf16/fp16: a lane's rows then
+    # reduce in the same order alone or in a batch of 8 (batch invariance of greedy output)
+    for dt in (torch.bfloat16, torch.float16):
+        assert all(G.candidates(m, dt) == G.candidates(1, dt) for m in range(1, 9))
+        assert all(c.dot for c in G.candidates(1, dt))
     cpu = torch.device("cpu")  # 4 "SMs" off CUDA
     cfg = G.Config(True, 64, 128, 4, 4, 2)
     assert G.split_for(cfg, 64, 4096, cpu) == 8  # one row block, 8 programs wanted
@@ -72,3 +75,16 @@ def test_enabled_switch(monkeypatch):
     assert not G.enabled()
     monkeypatch.setenv("NINFER_GEMV", "1")
     assert G.enabled()
+
+
+def test_one_tuned_config_per_shape_for_every_row_count(monkeypatch):
+    """The tuned config is keyed by (variant, N, K), not the row bucket, in half precision: the
+    choice made for a batch of 8 is the one a lone lane uses."""
+    monkeypatch.setattr(G, "_TUNED", {})
+    picked = G.Config(True, 32, 256, 4, 3, 4)
+    G._TUNED[(torch.device("cpu"), "plain", 64, 128, 0, torch.bfloat16)] = picked
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    for m in (1, 2, 5, 8):
+        x = torch.randn(m, 128, dtype=torch.bfloat16)
+        assert G._pick("plain", x, w, 64, lambda cfg, wc: None) is picked
+

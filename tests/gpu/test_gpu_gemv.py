@@ -40,6 +40,21 @@ def test_gemv_real_shapes_every_candidate(n, k):
     assert int(GV._COUNTERS[w.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("n,k", [(4096, 4096), (12352, 2048), (4096, 12288), (248320, 4096)])
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(n, k):
+    """Batch invariance: row i of an 8-row call equals the 1-row call on that row, bit for bit,
+    for the plain and the gated variant (greedy output of 8 lanes together equals each alone)."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    many = GV.gemv(x, w)
+    for m in (1, 3):
+        part = GV.gemv(x[:m].contiguous(), w)
+        assert torch.equal(part, many[:m]), (n, k, m)
+    if n % 2 == 0 and n <= 24576:
+        g8 = GV.gemv_silu_mul(x, w)
+        assert torch.equal(GV.gemv_silu_mul(x[:1].contiguous(), w), g8[:1]), (n, k)
+
+
 def test_gemv_gated_residual_logits_and_graph_replay():
     k, inter = 4096, 12288
     wgu = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16)
