@@ -165,6 +165,11 @@ class VisionResidency(ABC):
     def encode(self, item: PreparedMedia) -> Any:
         """Embeddings [item.tokens, hidden] for one prepared item."""
 
+    def attach(self, pool: Any, runner: Any, lock: Any = None) -> None:
+        """Called once by the engine after its KV pool and the runner's cache exist (`pool` a
+        `ninfer_core.engine.pages.PagePool`, `lock` the engine lock guarding it): a residency that
+        borrows free KV pages for its encodes keeps them. The default ignores it."""
+
     def describe(self) -> dict:
         """Facts for server_start and /props: residency, device bytes."""
         return {"residency": self.name}
