@@ -212,12 +212,14 @@ def stream_blocks(host_blocks: Sequence[Any], slots: Sequence[Any], run: Callabl
 
 
 def fill_from(dst: Any, src: Any) -> None:
-    """Copy a host module's parameters and buffers into its device twin (same structure)."""
+    """Copy a host module's parameters and buffers into its device twin, matched by name (`dst`
+    may hold only some of `src`'s submodules: a tower's front without its blocks)."""
     import torch
 
-    cuda = any(p.device.type == "cuda" for p in dst.parameters())
+    params, buffers = dict(src.named_parameters()), dict(src.named_buffers())
     with torch.no_grad():
-        for a, b in zip(dst.parameters(), src.parameters()):
-            a.copy_(b, non_blocking=cuda)
-        for a, b in zip(dst.buffers(), src.buffers()):
-            a.copy_(b, non_blocking=cuda)
+        for name, a in list(dst.named_parameters()) + list(dst.named_buffers()):
+            b = params.get(name, buffers.get(name))
+            if b is None:
+                raise KeyError(f"the host module has no tensor {name!r}")
+            a.copy_(b, non_blocking=a.device.type == "cuda")

@@ -348,6 +348,8 @@ class Gemma4Runner(ModelRunner):
         transformers does for media placeholders); (None, None) without side embeddings."""
         if not any(s.side is not None and s.side.embeddings for s in segments):
             return None, None
+        # media rows carry identity ids past the vocabulary: their lookups are overwritten below
+        ids = ids.clamp(max=self.cfg.vocab_size - 1)
         x = self.model.scaled_embed(ids).clone()
         ple_ids = ids.clone()
         off = 0
