@@ -25,7 +25,7 @@ from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.cache_lease import build_page_leases, lease_window_tokens
 from ninfer_core.engine.detok import OutputText
-from ninfer_core.engine.media_side import segment_side
+from ninfer_core.engine.media_side import segment_side, whole_spans_end
 from ninfer_core.engine.model_api import (
     PAGE_SIZE,
     PREFILL,
@@ -105,9 +105,12 @@ class Engine:
         widths = set(spec.verify_widths if spec is not None else ())
         if ngram.enabled:
             widths.update(range(2, 2 + max(ngram.draft_tokens, ngram.lookup_drafts if ngram.lookup else 0)))
+        # a runner that holds a media item whole in one forward may get a chunk as long as the largest item
+        whole_item = int(getattr(vision, "max_item_tokens", 0) or 0) if getattr(runner, "whole_media_spans", False) else 0
         runner.configure(RunnerOptions(cuda_graph=options.cuda_graph, verify_widths=tuple(sorted(widths)),
                                        max_lanes=options.max_concurrency, kv_dtype=kv_dtype,
-                                       max_segment_tokens=max(options.prefill_chunk, max(widths, default=1))))
+                                       max_segment_tokens=max(options.prefill_chunk, max(widths, default=1),
+                                                              whole_item)))
         self.cache_spec = runner.cache_spec()
         from ninfer_core.engine.kv_sizing import pool_pages
 
@@ -513,6 +516,14 @@ class Engine:
                         end = ahead[1]
                 else:
                     end = ahead[0]  # the chunk ends at the frontier; after_chunk copies the state
+        if seq.request.media is not None and getattr(self.runner, "whole_media_spans", False):
+            moved = whole_spans_end(seq.request.media, start, end)
+            if moved != end:
+                end = moved
+                if snap is not None and snap[0] >= end:  # the capture is no longer inside the chunk
+                    with self._cv:
+                        self.cache.release_capture_slot(snap[1])
+                    snap = None
         chunk = seq.prompt_ids[start: end]
         pages = seq.pages[: pages_for(start + len(chunk), self.page_size)]
         last = start + len(chunk) == seq.prompt_len

@@ -42,3 +42,12 @@ def segment_side(media: Any, start: int, n: int, embeds_of: Callable[[Any], Any]
     if pos is None and not embeddings:
         return None
     return SideInputs(positions=pos, embeddings=embeddings)
+
+
+def whole_spans_end(media: Any, start: int, end: int) -> int:
+    """A prefill chunk's end [start, end) moved off any media span it would cut (a runner with
+    `whole_media_spans`): to the span's start when the chunk begins before it, else to its end."""
+    for span in media.spans:
+        if span.start < end < span.end:
+            return span.start if span.start > start else span.end
+    return end

@@ -165,6 +165,7 @@ class VisionResidency(ABC):
     runner's device by the runner."""
 
     name: str = ""
+    max_item_tokens: int = 0  # the most merged tokens one item takes (set at load from the media bound)
 
     @classmethod
     @abstractmethod

@@ -19,7 +19,7 @@ from ninfer_gemma4.testing import MEDIA_TOKENS, hf_model, shrunk_config, shrunk_
 
 from ninfer_core.artifact import Artifact
 from ninfer_core.engine.media_side import segment_side
-from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment
+from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment, RunnerOptions
 from ninfer_core.media.api import IMAGE, VIDEO, MediaRef, PreparedMedia
 
 
@@ -33,13 +33,15 @@ def _image(w, h, seed=0):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
 
 
-def _build(tmp, vision: dict, kind="31b", seed=0):
+def _build(tmp, vision: dict, kind="31b", seed=0, bidirectional=False):
     from ninfer_core.artifact.convert import convert_hf_dir
     from ninfer_core.cli import _convert_check
     from ninfer_gemma4.test_tokenizer import write_tokenizer_files
 
     hf_dir = tmp / "hf"
     config = shrunk_config(kind, vision=vision)
+    if bidirectional:  # the 31B's use_bidirectional_attention "vision"
+        config["text_config"]["use_bidirectional_attention"] = "vision"
     model = hf_model(config, seed=seed)
     temper_attention(model)  # scores of order one: a 1e-5 change of the soft tokens must not flip a softmax
     model.save_pretrained(hf_dir, safe_serialization=True)
@@ -50,11 +52,11 @@ def _build(tmp, vision: dict, kind="31b", seed=0):
     return Artifact.open(out), model, config
 
 
-@pytest.fixture(scope="module", params=["standardized", "clipped"])
+@pytest.fixture(scope="module", params=["standardized", "clipped", "bidirectional"])
 def vl(request, tmp_path_factory):
-    over = {"standardize": True} if request.param == "standardized" else {"standardize": False,
-                                                                         "use_clipped_linears": True}
-    return _build(tmp_path_factory.mktemp(f"g4vl-{request.param}"), shrunk_vision_config(**over))
+    over = {"clipped": {"standardize": False, "use_clipped_linears": True}}.get(request.param, {})
+    return _build(tmp_path_factory.mktemp(f"g4vl-{request.param}"), shrunk_vision_config(**over),
+                  bidirectional=request.param == "bidirectional")
 
 
 def _prepare(proc, image, bound):
@@ -138,6 +140,10 @@ def test_expansion_writes_the_image_markers():
 
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_multimodal_prefill_matches_transformers(vl, chunk):
+    """Chunked as the engine chunks: a chunk never ends inside the image when the model attends
+    within it (use_bidirectional_attention "vision", whose window of 8 is below the image's rows)."""
+    from ninfer_core.engine.media_side import whole_spans_end
+
     art, hf, _ = vl
     proc = Gemma4MediaProcessor(art.config)
     fam = Gemma4Family()
@@ -151,17 +157,47 @@ def test_multimodal_prefill_matches_transformers(vl, chunk):
         ref = hf(input_ids=torch.tensor([exp.ids]), pixel_values=pv, image_position_ids=pos, mm_token_type_ids=mm,
                  use_cache=False).logits[0].float()
     runner = fam.load(art)
+    runner.configure(RunnerOptions(max_segment_tokens=len(exp.ids)))  # the engine's prefill chunk
     runner.allocate_cache(8, 1)
     # identity ids stand in for the placeholders, as the server sends them
     toks = [t if not any(s.start <= i < s.end for s in exp.spans) else 10_000 + i for i, t in enumerate(exp.ids)]
     step, start, outs, cache = chunk or len(toks), 0, [], {}
     while start < len(toks):
-        n = min(step, len(toks) - start)
+        end = min(start + step, len(toks))
+        if runner.whole_media_spans:
+            end = whole_spans_end(media, start, end)
+        n = end - start
         side = segment_side(media, start, n, lambda it: cache.setdefault(id(it), tower.encode(it)))
         seg = LaneSegment(0, {"global": list(range(8))}, start, toks[start: start + n], PREFILL, "all", side=side)
         outs.append(runner.forward(ForwardBatch([seg]))[0].logits)
         start += n
     assert _rel(torch.cat(outs), ref) < 1e-4
+
+
+def test_bidirectional_media_rows_differ_from_causal(vl):
+    """The bidirectional checkpoint's image rows see later image rows: its causal reading differs."""
+    art, _, _ = vl
+    if not art.config["text_config"].get("use_bidirectional_attention"):
+        pytest.skip("a causal checkpoint")
+    fam = Gemma4Family()
+    proc = Gemma4MediaProcessor(art.config)
+    tower = fam.vision_tower(art, "cpu", torch.float32)
+    item = _prepare(proc, _image(150, 90, seed=3), 280)
+    exp, media = _expand(proc, [2, 300, MEDIA_TOKENS["image_token_id"], 301], [item])
+    toks = [t if not any(s.start <= i < s.end for s in exp.spans) else 10_000 + i for i, t in enumerate(exp.ids)]
+    emb = tower.encode(item)
+    got = []
+    for bidirectional in (True, False):
+        runner = fam.load(art)
+        runner.cfg.bidirectional_vision = bidirectional
+        runner.configure(RunnerOptions(max_segment_tokens=len(toks)))
+        runner.allocate_cache(8, 1)
+        side = segment_side(media, 0, len(toks), lambda it: emb)
+        seg = LaneSegment(0, {"global": list(range(8))}, 0, toks, PREFILL, "all", side=side)
+        got.append(runner.forward(ForwardBatch([seg]))[0].logits)
+    first = exp.spans[0].start
+    assert torch.equal(got[0][:first], got[1][:first])  # text before the image: the same
+    assert _rel(got[0][first:], got[1][first:]) > 1e-3
 
 
 def test_family_media_hooks(vl, tmp_path):
@@ -178,3 +214,19 @@ def _text_only(tmp_path):
     from ninfer_gemma4.testing import build_tiny_artifact
 
     return build_tiny_artifact(str(tmp_path / "t.ninfer"), kind="31b")
+
+
+def test_a_forward_never_cuts_a_bidirectional_item(vl):
+    art, _, _ = vl
+    fam = Gemma4Family()
+    runner = fam.load(art)
+    if not runner.whole_media_spans:
+        pytest.skip("a causal checkpoint")
+    runner.configure(RunnerOptions(max_segment_tokens=16))
+    runner.allocate_cache(8, 1)
+    emb = torch.zeros(20, art.config["text_config"]["hidden_size"])
+    from ninfer_core.engine.model_api import SideInputs
+
+    seg = LaneSegment(0, {"global": list(range(8))}, 0, [5] * 30, PREFILL, "last", side=SideInputs(embeddings=[(4, emb)]))
+    with pytest.raises(ValueError, match="does not fit forwards of 16"):
+        runner.forward(ForwardBatch([seg]))
