@@ -145,7 +145,7 @@ class Engine:
                  options.max_concurrency, self.state_bytes / 2**20)
 
         self._cv = threading.Condition(threading.Lock())
-        if vision is not None:  # an overlay residency borrows its encode windows from free KV pages
+        if vision is not None and hasattr(vision, "attach"):  # an overlay residency borrows its windows from free KV pages
             vision.attach(pool, runner, self._cv)
         self._outstanding = 0  # submitted and not yet ended: the lifetime capacity in use
         self._cancelled: list[Sequence] = []
