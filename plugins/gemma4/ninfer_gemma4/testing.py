@@ -52,9 +52,11 @@ def shrunk_vision_config(**over) -> dict:
 
 
 def shrunk_config(kind: str, vocab_size: int = 512, num_layers: int | None = None, window: int = 8,
-                  multimodal: bool = True, vision: dict | None = None) -> dict:
+                  multimodal: bool = True, vision: dict | None = None, bidirectional_vision: bool = False) -> dict:
     """A config.json dict of `kind` at test size (model_type gemma4 with text_config, or gemma4_text);
-    `vision`: a vision_config (shrunk_vision_config) for a vision-language checkpoint."""
+    `vision`: a vision_config (shrunk_vision_config) for a vision-language checkpoint, whose text
+    model reads a media item's rows bidirectionally with `bidirectional_vision` (the 31B's
+    use_bidirectional_attention "vision")."""
     real = REAL[kind]
     period = real["period"]
     n = num_layers or (2 * period if not real["num_kv_shared_layers"] else 3 * period)
@@ -78,6 +80,8 @@ def shrunk_config(kind: str, vocab_size: int = 512, num_layers: int | None = Non
         "pad_token_id": 0, "eos_token_id": [1, 106, 50], "bos_token_id": 2, "tie_word_embeddings": True,
         "enable_moe_block": bool(real.get("enable_moe_block")),
     }
+    if bidirectional_vision:
+        text["use_bidirectional_attention"] = "vision"
     if real.get("enable_moe_block"):
         text.update(num_experts=8, top_k_experts=2, moe_intermediate_size=32)
     if not multimodal:
