@@ -20,7 +20,7 @@ import torch
 from ninfer_core.engine.media_side import whole_spans_end
 from ninfer_core.engine.pages import PagePool
 from ninfer_core.media.api import IMAGE, Expansion, MediaProcessor, MediaRef, MediaSpan, PreparedMedia
-from ninfer_core.media.window import DeviceWindow, PageLender, fits, nbytes_of
+from ninfer_core.media.window import DeviceWindow, fits, nbytes_of
 
 
 def _png(w: int, h: int, seed: int = 0) -> bytes:

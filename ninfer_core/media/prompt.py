@@ -20,7 +20,6 @@ from typing import Any
 from ninfer_core.engine.api import EngineError
 from ninfer_core.media.api import (
     IDENTITY_SPACE,
-    IMAGE,
     VIDEO,
     MediaProcessor,
     MediaPrompt,

@@ -37,15 +37,15 @@ def aspect_size(height: int, width: int, patch: int, max_patches: int, k: int) -
     """(h, w): the largest multiples of patch * k, aspect kept, with at most `max_patches` patches."""
     factor = math.sqrt(max_patches * patch ** 2 / (height * width))
     side = patch * k
-    h = int(math.floor(factor * height / side)) * side
-    w = int(math.floor(factor * width / side)) * side
+    h = math.floor(factor * height / side) * side
+    w = math.floor(factor * width / side) * side
     longest = (max_patches // k ** 2) * side
     if h == 0 and w == 0:
         raise ValueError(f"an image of {width} x {height} pixels cannot be resized to whole {side}-pixel cells")
     if h == 0:
-        h, w = side, min(int(math.floor(width / height)) * side, longest)
+        h, w = side, min(math.floor(width / height) * side, longest)
     elif w == 0:
-        w, h = side, min(int(math.floor(height / width)) * side, longest)
+        w, h = side, min(math.floor(height / width) * side, longest)
     return h, w
 
 

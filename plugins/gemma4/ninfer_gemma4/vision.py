@@ -313,7 +313,7 @@ class Gemma4VisionTower(VisionTower):
         outs = []
         for pv, grid in self._frames(item):
             x, cos, sin = front.embed(pv, grid)
-            x = stream_blocks(self.model.encoder.layers, slots, lambda blk, h: blk(h, cos, sin), x, dev)
+            x = stream_blocks(self.model.encoder.layers, slots, lambda blk, h, c=cos, s=sin: blk(h, c, s), x, dev)
             outs.append(front.pool(x, grid))
         return self._check(torch.cat(outs), item)
 

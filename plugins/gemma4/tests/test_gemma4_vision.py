@@ -15,7 +15,13 @@ import pytest
 import torch
 from ninfer_gemma4.family import Gemma4Family
 from ninfer_gemma4.media import BUDGETS, Gemma4MediaProcessor, aspect_size
-from ninfer_gemma4.testing import MEDIA_TOKENS, hf_model, shrunk_config, shrunk_vision_config, temper_attention
+from ninfer_gemma4.testing import (
+    MEDIA_TOKENS,
+    hf_model,
+    shrunk_config,
+    shrunk_vision_config,
+    temper_attention,
+)
 
 from ninfer_core.artifact import Artifact
 from ninfer_core.engine.media_side import segment_side
@@ -34,9 +40,10 @@ def _image(w, h, seed=0):
 
 
 def _build(tmp, vision: dict, kind="31b", seed=0, bidirectional=False):
+    from ninfer_gemma4.test_tokenizer import write_tokenizer_files
+
     from ninfer_core.artifact.convert import convert_hf_dir
     from ninfer_core.cli import _convert_check
-    from ninfer_gemma4.test_tokenizer import write_tokenizer_files
 
     hf_dir = tmp / "hf"
     config = shrunk_config(kind, vision=vision)
