@@ -237,3 +237,33 @@ def test_a_forward_never_cuts_a_bidirectional_item(vl):
     seg = LaneSegment(0, {"global": list(range(8))}, 0, [5] * 30, PREFILL, "last", side=SideInputs(embeddings=[(4, emb)]))
     with pytest.raises(ValueError, match="does not fit forwards of 16"):
         runner.forward(ForwardBatch([seg]))
+
+
+def test_video_frames_match_transformers_video_features(vl):
+    art, hf, _ = vl
+    proc = Gemma4MediaProcessor(art.config)
+    proc.encode_text = lambda text: [300 + len(text)]  # stands in for the tokenizer (timestamps)
+    tower = Gemma4Family().vision_tower(art, "cpu", torch.float32)
+    frames = [_image(96, 64, seed=20 + i) for i in range(3)]
+    pv, grid, tokens, extra = proc.prepare_video(frames, [0.0, 0.5, 61.0], proc.item_bound(VIDEO, "auto", 1120))
+    item = PreparedMedia(VIDEO, "v", pv, grid, tokens, extra)
+    f, ph, pw = grid
+    assert f == 3 and tokens == 3 * ph * pw // 9 and ph * pw // 9 <= 70
+    ours = tower.encode(item)
+    yy, xx = torch.meshgrid(torch.arange(ph), torch.arange(pw), indexing="ij")
+    pos = torch.stack([xx.reshape(-1), yy.reshape(-1)], -1)[None].repeat(f, 1, 1)
+    with torch.no_grad():
+        ref = torch.cat(hf.model.get_video_features(pv.float().reshape(f, ph * pw, -1) / 255.0, pos,
+                                                    num_frames_per_video=torch.tensor([f]),
+                                                    return_dict=True).pooler_output)
+    assert ours.shape == ref.shape and _rel(ours, ref) < 1e-4
+    vid = MEDIA_TOKENS["video_token_id"]
+    exp = proc.expand([40, vid, 41], [item])
+    per = tokens // 3
+    boi, eoi = MEDIA_TOKENS["boi_token_id"], MEDIA_TOKENS["eoi_token_id"]
+    # per frame "mm:ss " (one stand-in token here), <|image>, its soft tokens, <image|>; frames joined by " "
+    want = [40]
+    for k, stamp in enumerate(("00:00 ", " 00:00 ", " 01:01 ")):
+        want += [300 + len(stamp), boi, *[vid] * per, eoi]
+    assert exp.ids == want + [41]
+    assert [(s.length, s.offset) for s in exp.spans] == [(per, 0), (per, per), (per, 2 * per)]

@@ -165,3 +165,34 @@ def test_other_residencies_give_the_same_completion(server, vl_artifact, launch,
         assert two.choices[0].message.content == one.choices[0].message.content
     finally:
         other.stop()
+
+
+def _mp4(frames: int = 8, size: int = 64, fps: int = 4) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        rng = np.random.default_rng(1)
+        for _ in range(frames):
+            img = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def test_short_video(server):
+    pytest.importorskip("av")
+    with _client(server) as c:
+        base = _base(c)
+        uri = "data:video/mp4;base64," + base64.b64encode(_mp4()).decode()
+        got, raw = _chat(c, [{"type": "text", "text": "Describe it."}, {"type": "video_url", "video_url": {"url": uri}}])
+        # 8 frames at 4 fps sampled at 2 fps: 4 frames of 64 x 64 pixels, each at the frame budget of
+        # 70 (384 x 384 pixels, 64 soft tokens) with its markers and its "mm:ss" text
+        assert raw["timings"]["media_n"] == 1 and raw["timings"]["vision_encodes"] == 1
+        assert got.usage.prompt_tokens - base >= 4 * (64 + 2) - 1
+        assert got.choices[0].finish_reason in ("length", "stop")
