@@ -163,6 +163,9 @@ def _measure(name, run, item, video, seconds, repeats, cuda, base):
     return t_img, t_vid, held, peak, out.float().cpu()
 
 
+LOANS: list[tuple[int, int]] = []  # (bytes, pages) of each overlay window borrowed from the KV pool
+
+
 def _towers(name, build_device, build_host, lender, cuda, dev):
     """(encode function, reserved bytes) of one residency; `lender`: the overlay's KV pages."""
     from ninfer_core.media.window import nbytes_of
@@ -179,6 +182,7 @@ def _towers(name, build_device, build_host, lender, cuda, dev):
             window = lender.borrow(sizes)
             if window is None:
                 raise RuntimeError("the KV pool cannot cover one window")
+            LOANS.append((window.nbytes, len(window.pages)))
             try:
                 return tower.encode_streamed(item, dev, window)
             finally:
@@ -293,6 +297,12 @@ def bench_shape(shape: str, a, cuda: bool, dev) -> list[str]:
             continue
         lines.append(f"{name:10s} {t_img * 1e3:9.1f} {t_vid * 1e3:11.1f} {held / 2**20:9.1f} "
                      f"{reserved / 2**20:13.1f} {peak / 2**20:9.1f} {rel_err(out, ref):21.2e}")
+    if LOANS:
+        window = next(r[4] for r in rows if r[0] == "overlay")
+        lines.append(f"overlay window: {window / 2**20:.1f} MiB of tensors in {LOANS[-1][0] / 2**20:.1f} MiB of "
+                     f"free KV pages ({LOANS[-1][1]} consecutive pages of {KV_GEOMETRY[shape][0]} page-major "
+                     f"tensors; a tensor must fit one tensor's rows), {len(LOANS)} loans, all returned")
+        LOANS.clear()
     outs = {r[0]: r[-1] for r in rows if r[1] is not None}
     if "resident" in outs and "overlay" in outs:
         lines.append(f"overlay embeddings equal resident bit for bit: {torch.equal(outs['resident'], outs['overlay'])}")

@@ -123,6 +123,40 @@ def _axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat(parts, dim=-1)
 
 
+TABLE_ROWS = 4096  # rows of one position-table chunk (9 MiB at the 31B width in bf16)
+
+
+class PositionTable(nn.Module):
+    """The learned position table [2, size, hidden] (column plane, row plane) kept as row chunks of
+    each plane, so no tensor of it is larger than a block's matrices: an overlay window carved from
+    KV pages needs each tensor contiguous. A lookup gathers from the chunk holding each row (the
+    same values as one gather from the whole table)."""
+
+    def __init__(self, size: int, hidden: int):
+        super().__init__()
+        self.size = size
+        self.bounds = [(lo, min(lo + TABLE_ROWS, size)) for lo in range(0, size, TABLE_ROWS)]
+        for axis in (0, 1):
+            for j, (lo, hi) in enumerate(self.bounds):
+                self.register_parameter(f"p{axis}_{j}", nn.Parameter(torch.zeros(hi - lo, hidden), requires_grad=False))
+
+    def lookup(self, axis: int, idx: torch.Tensor) -> torch.Tensor:
+        first = getattr(self, f"p{axis}_0")
+        out = torch.empty(idx.shape[0], first.shape[1], dtype=first.dtype, device=first.device)
+        for j, (lo, hi) in enumerate(self.bounds):
+            sel = ((idx >= lo) & (idx < hi)).nonzero().reshape(-1)
+            if sel.numel():
+                out[sel] = getattr(self, f"p{axis}_{j}")[idx[sel] - lo]
+        return out
+
+    def assign(self, table: torch.Tensor, device, dtype) -> None:
+        """Take the checkpoint's [2, size, hidden] tensor."""
+        for axis in (0, 1):
+            for j, (lo, hi) in enumerate(self.bounds):
+                setattr(self, f"p{axis}_{j}", nn.Parameter(table[axis, lo:hi].to(device=device, dtype=dtype),
+                                                          requires_grad=False))
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -182,8 +216,7 @@ class Gemma4VisionModel(nn.Module):
         h = cfg.hidden_size
         self.patch_embedder = nn.Module()
         self.patch_embedder.input_proj = nn.Linear(cfg.patch_dim, h, bias=False)
-        self.patch_embedder.position_embedding_table = nn.Parameter(
-            torch.zeros(2, cfg.position_embedding_size, h), requires_grad=False)
+        self.patch_embedder.position_embedding_table = PositionTable(cfg.position_embedding_size, h)
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(VisionBlock(cfg) for _ in range(
             cfg.num_hidden_layers if depth is None else depth))
@@ -220,7 +253,7 @@ class Gemma4VisionModel(nn.Module):
         yy, xx = torch.meshgrid(torch.arange(ph, device=dev), torch.arange(pw, device=dev), indexing="ij")
         xy = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=-1)  # [N, 2] (column, row)
         table = self.patch_embedder.position_embedding_table
-        x = x + (table[0][xy[:, 0]] + table[1][xy[:, 1]])
+        x = x + (table.lookup(0, xy[:, 0]) + table.lookup(1, xy[:, 1]))
         cos, sin = self._rope(xy)
         return x, cos, sin
 
@@ -330,15 +363,21 @@ def load_vision_model(artifact, device: torch.device, dtype: torch.dtype) -> Gem
             state[n[len(TOWER_PREFIX):]] = n
         elif n.startswith(EMBED_PREFIX):
             state["embed_vision." + n[len(EMBED_PREFIX):]] = n
-    expected = dict(model.named_parameters())
+    table = "patch_embedder.position_embedding_table"
+    expected = {n: p for n, p in model.named_parameters() if not n.startswith(table + ".")}
+    expected[table] = None  # one checkpoint tensor [2, size, hidden], kept as chunks (PositionTable)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"vision weights do not match the config: missing {missing[:6]}, unexpected {unexpected[:6]}")
     for name, param in expected.items():
         t = artifact.get_tensor(state[name])
-        if tuple(t.shape) != tuple(param.shape):
-            raise ValueError(f"{state[name]}: stored shape {tuple(t.shape)}, config expects {tuple(param.shape)}")
+        want = (2, cfg.position_embedding_size, cfg.hidden_size) if param is None else tuple(param.shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{state[name]}: stored shape {tuple(t.shape)}, config expects {want}")
+        if param is None:
+            model.patch_embedder.position_embedding_table.assign(t, device, dtype)
+            continue
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, leaf,
                 nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))

@@ -267,3 +267,15 @@ def test_video_frames_match_transformers_video_features(vl):
         want += [300 + len(stamp), boi, *[vid] * per, eoi]
     assert exp.ids == want + [41]
     assert [(s.length, s.offset) for s in exp.spans] == [(per, 0), (per, per), (per, 2 * per)]
+
+
+def test_position_table_chunks_gather_the_same_rows(monkeypatch):
+    import ninfer_gemma4.vision as v
+
+    monkeypatch.setattr(v, "TABLE_ROWS", 5)
+    table = torch.randn(2, 23, 4)
+    pt = v.PositionTable(23, 4)
+    pt.assign(table, "cpu", torch.float32)
+    assert len(pt.bounds) == 5 and max(p.shape[0] for p in pt.parameters()) == 5
+    idx = torch.tensor([0, 4, 5, 22, 9, 10, 3, 17])
+    assert torch.equal(pt.lookup(0, idx), table[0][idx]) and torch.equal(pt.lookup(1, idx), table[1][idx])
