@@ -200,6 +200,9 @@ def test_engine_lends_free_pages_to_the_overlay_and_gets_them_back(vl):
         assert out.finish.timings["vision_encodes"] == 1
         assert overlay.windows["kv"] == 1 and overlay.windows["allocator"] == 0 and overlay.window_pages > 0
         assert eng.scheduler.pages.num_free == eng.pool_pages
+        report = out.finish.context["vision_overlay"]  # request_done.vision_overlay
+        assert report["windows"] == report["concurrent_windows"] == 1 and report["allocator_windows"] == 0
+        assert report["window_bytes"] >= sum(overlay.window_sizes()) and report["staged_bytes"] > 0
     finally:
         eng.shutdown()
         svc.shutdown()

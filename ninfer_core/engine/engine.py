@@ -25,7 +25,7 @@ from ninfer_core.engine.budget import BudgetPolicy
 from ninfer_core.engine.cache import build_context_cache, derive_hints
 from ninfer_core.engine.cache_lease import build_page_leases, lease_window_tokens
 from ninfer_core.engine.detok import OutputText
-from ninfer_core.engine.media_side import segment_side, whole_spans_end
+from ninfer_core.engine.media_side import segment_side, vision_overlay_report, whole_spans_end
 from ninfer_core.engine.model_api import (
     PAGE_SIZE,
     PREFILL,
@@ -66,10 +66,13 @@ def _context_report(seq: Sequence) -> dict | None:
     """The finish event's context-cache facts: the reuse path, and the /slots cell and session
     digest a completed session was retained under."""
     source = getattr(seq, "cache_source", None)
+    overlay = vision_overlay_report(getattr(seq, "vision_windows", None))
     if source is None:
-        return None
+        return {"vision_overlay": overlay} if overlay else None
     cont = getattr(seq, "retained", None)
     report: dict = {"source": source, "cache_n": seq.cache_n}
+    if overlay:
+        report["vision_overlay"] = overlay
     mat = getattr(seq, "cache_materialization", None)
     if mat is not None:  # the admission's context-cache decision (spec request_done.materialization)
         report["materialization"] = dict(mat)
@@ -591,6 +594,9 @@ class Engine:
                 raise EngineError(400, "vision_disabled", "This server was started without --vision.")
             t0 = time.monotonic()
             got[k] = self.vision.encode(item)
+            stats = getattr(self.vision, "last_encode", None)
+            if stats:  # an overlay window's facts (request_done.vision_overlay)
+                seq.vision_windows.append(dict(stats))
             with self._cv:
                 c = self.vision_counters
                 c["encodes"] += 1

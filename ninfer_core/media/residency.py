@@ -9,6 +9,7 @@ party adds its own the same way.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from ninfer_core import hookimpl
@@ -73,6 +74,7 @@ class OverlayResidency(VisionResidency):
         self.lender = None  # window.PageLender once the engine attached its KV pool
         self.windows = {"kv": 0, "allocator": 0}
         self.window_pages = 0  # pages the last KV-funded window borrowed
+        self.last_encode: dict | None = None
 
     @classmethod
     def load(cls, family, artifact, runner, options) -> OverlayResidency:
@@ -98,6 +100,7 @@ class OverlayResidency(VisionResidency):
 
         from ninfer_core.media.window import allocator_window
 
+        t0 = time.monotonic()
         sizes = self.window_sizes()
         window = self.lender.borrow(sizes) if self.lender is not None else None
         if window is None:
@@ -113,6 +116,9 @@ class OverlayResidency(VisionResidency):
             if window.kind == "kv":
                 self.window_pages = len(window.pages)
                 self.lender.give_back(window)
+        # what the request log's vision_overlay sums over a request's encodes (engine._media_rows)
+        self.last_encode = {"window": window.kind, "ms": (time.monotonic() - t0) * 1000.0,
+                            "window_bytes": window.nbytes, "staged_bytes": int(out.numel() * out.element_size())}
         return out
 
     def describe(self) -> dict:

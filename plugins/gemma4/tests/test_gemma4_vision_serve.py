@@ -154,7 +154,7 @@ def test_bad_media_keeps_its_code_and_the_server_serves(server):
                          ids=["overlay", "cpu"])
 def test_other_residencies_give_the_same_completion(server, vl_artifact, launch, tmp_path, flags):
     other = launch(vl_artifact, *plugin_flags(), *flags, "--max-context", "4096", "--prefill-chunk", "64",
-                   log_dir=tmp_path)
+                   "--request-log-jsonl", str(tmp_path / "requests.jsonl"), log_dir=tmp_path)
     try:
         content = [{"type": "text", "text": "Describe it."}, _image_part(_uri(_png(160, 120, 9)), "low")]
         with _client(server) as a, _client(other) as b:
@@ -163,6 +163,17 @@ def test_other_residencies_give_the_same_completion(server, vl_artifact, launch,
         assert raw["timings"]["vision_encodes"] == 1
         assert two.usage.prompt_tokens == one.usage.prompt_tokens
         assert two.choices[0].message.content == one.choices[0].message.content
+        import json
+
+        records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+        done = [r for r in records if r["event"] == "request_done"][-1]
+        start = next(r for r in records if r["event"] == "server_start")
+        if "overlay" in flags:  # one window, funded from free KV pages
+            assert done["vision_overlay"]["windows"] == 1 and done["vision_overlay"]["concurrent_windows"] == 1
+            assert done["vision_overlay"]["window_bytes"] >= start["vision"]["window_bytes"]
+            assert start["vision"]["residency"] == "overlay" and start["vision"]["device_bytes"] == 0
+        else:
+            assert "vision_overlay" not in done and start["vision"]["residency"] == "cpu"
     finally:
         other.stop()
 
