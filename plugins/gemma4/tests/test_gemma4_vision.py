@@ -59,11 +59,15 @@ def _build(tmp, vision: dict, kind="31b", seed=0, bidirectional=False):
     return Artifact.open(out), model, config
 
 
-@pytest.fixture(scope="module", params=["standardized", "clipped", "bidirectional"])
+@pytest.fixture(scope="module", params=["standardized", "clipped", "bidirectional", "e2b"])
 def vl(request, tmp_path_factory):
-    over = {"clipped": {"standardize": False, "use_clipped_linears": True}}.get(request.param, {})
+    """31B-structured text (K=V global layers) with a standardized tower, a clipped-linear one, and
+    media rows bidirectional in the sliding layers; and E2B-structured text (per-layer embeddings,
+    KV-shared layers: media rows take the pad token's PLE row) with a clipped-linear tower."""
+    clipped = {"standardize": False, "use_clipped_linears": True}
+    over = clipped if request.param in ("clipped", "e2b") else {}
     return _build(tmp_path_factory.mktemp(f"g4vl-{request.param}"), shrunk_vision_config(**over),
-                  bidirectional=request.param == "bidirectional")
+                  kind="e2b" if request.param == "e2b" else "31b", bidirectional=request.param == "bidirectional")
 
 
 def _prepare(proc, image, bound):
