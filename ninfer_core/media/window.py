@@ -17,12 +17,9 @@ side stream while the current block computes, so every slot is filled once per b
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
-
-log = logging.getLogger("ninfer.media")
 
 ALIGN = 256  # bytes: every carved tensor starts on a boundary any dtype view accepts
 
