@@ -9,8 +9,8 @@ into PYTHONPATH first; see docs/bench.md):
 
 Vision (issue 20): `--order vision --tests --bench` runs scripts/vision_bench.py (encode time per
 512x512 image and per video second for the resident, overlay and cpu residencies at the Qwen3.5-27B
-tower shape, the device memory each holds, bf16 against transformers' fp32) and the tower's
-parity tests.
+and the Gemma 4 31B tower shapes, the device memory each holds and reserves, the overlay's window
+borrowed from free KV pages, bf16 against transformers' fp32) and the towers' parity tests.
 
 Gemma 4 (issue 16): `--order gemma4 --bench` runs plugins/gemma4's CUDA checks (the Triton
 sliding-window attention in bf16 at the real head geometry; the runner in bf16 against
@@ -89,7 +89,7 @@ def main() -> int:
                     help="shapes of the decode part (--order decode)")
     ap.add_argument("--decode-kernel-budget", type=float, default=90,
                     help="seconds for scripts/decode_bench.py's kernel table (--order decode)")
-    ap.add_argument("--vision-args", default="--shape 27b", help="arguments of scripts/vision_bench.py "
+    ap.add_argument("--vision-args", default="--shape 27b,gemma4-31b", help="arguments of scripts/vision_bench.py "
                     "(--order ...,vision)")
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--pipeline-args", default="", help="extra arguments for scripts/pipeline_check.py")
@@ -267,8 +267,8 @@ def main() -> int:
         rc, dt, text = run([sys.executable, "scripts/vision_bench.py", *a.vision_args.split()],
                            os.path.join(a.out, "vision.log"), max(60, left - 30))
         summary.append(f"== vision tower rc={rc} in {dt:.0f} s")
-        start = text.find("tower ")
-        summary.append(text[start:].strip() if start >= 0 and rc == 0 else text[-4000:])
+        start = text.find("vision tables")  # the tables, after the progress lines
+        summary.append(text[start + len("vision tables"):].strip() if start >= 0 and rc == 0 else text[-4000:])
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             "plugins/qwen35/tests/test_qwen35_vision.py", "tests/gpu/test_gpu_vision.py"],
                            os.path.join(a.out, "vision-tests.log"),

@@ -71,9 +71,12 @@ class Engine:
         widths = set(spec.verify_widths if spec is not None else ())
         if ngram.enabled:
             widths.update(range(2, 2 + max(ngram.draft_tokens, ngram.lookup_drafts if ngram.lookup else 0)))
+        # a runner that holds a media item whole in one forward may get a chunk as long as the largest item
+        whole_item = int(getattr(vision, "max_item_tokens", 0) or 0) if getattr(runner, "whole_media_spans", False) else 0
         runner.configure(RunnerOptions(cuda_graph=options.cuda_graph, verify_widths=tuple(sorted(widths)),
                                        max_lanes=options.max_concurrency, kv_dtype=kv_dtype,
-                                       max_segment_tokens=max(options.prefill_chunk, max(widths, default=1))))
+                                       max_segment_tokens=max(options.prefill_chunk, max(widths, default=1),
+                                                              whole_item)))
         self.cache_spec = runner.cache_spec()
         from ninfer_core.engine.kv_sizing import pool_pages
 
@@ -108,6 +111,8 @@ class Engine:
                  options.max_concurrency, self.state_bytes / 2**20)
 
         self._cv = threading.Condition(threading.Lock())
+        if vision is not None and hasattr(vision, "attach"):  # an overlay residency borrows its windows from free KV pages
+            vision.attach(pool, runner, self._cv)
         self._outstanding = 0  # submitted and not yet ended: the lifetime capacity in use
         self._cancelled: list[Sequence] = []
         self._stopping = False

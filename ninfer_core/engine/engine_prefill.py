@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ninfer_core.engine.api import EngineError, EngineEvent
-from ninfer_core.engine.media_side import segment_side
+from ninfer_core.engine.media_side import segment_side, whole_spans_end
 from ninfer_core.engine.model_api import PREFILL, ForwardBatch, LaneSegment
 from ninfer_core.engine.pages import pages_for
 from ninfer_core.engine.request import SeqStatus
@@ -46,6 +46,14 @@ def prefill_chunk(eng: Engine, seq: Sequence) -> None:
                     end = ahead[1]
             else:
                 end = ahead[0]  # the chunk ends at the frontier; after_chunk copies the state
+    if seq.request.media is not None and getattr(eng.runner, "whole_media_spans", False):
+        moved = whole_spans_end(seq.request.media, start, end)
+        if moved != end:
+            end = moved
+            if snap is not None and snap[0] >= end:  # the capture is no longer inside the chunk
+                with eng._cv:
+                    eng.cache.release_capture_slot(snap[1])
+                snap = None
     chunk = seq.prompt_ids[start: end]
     pages = seq.pages[: pages_for(start + len(chunk), eng.page_size)]
     last = start + len(chunk) == seq.prompt_len
@@ -114,6 +122,9 @@ def _media_rows(eng: Engine, seq: Sequence, item):
             raise EngineError(400, "vision_disabled", "This server was started without --vision.")
         t0 = time.monotonic()
         got[k] = eng.vision.encode(item)
+        stats = getattr(eng.vision, "last_encode", None)
+        if stats:  # an overlay window's facts (request_done.vision_overlay)
+            seq.vision_windows.append(dict(stats))
         with eng._cv:
             c = eng.vision_counters
             c["encodes"] += 1

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ninfer_core.engine.api import EngineEvent, Usage
+from ninfer_core.engine.media_side import vision_overlay_report
 
 if TYPE_CHECKING:
     from ninfer_core.engine.engine import Engine
@@ -123,10 +124,13 @@ def context_report(seq: Sequence) -> dict | None:
     """The finish event's context-cache facts: the reuse path, and the /slots cell and session
     digest a completed session was retained under."""
     source = getattr(seq, "cache_source", None)
+    overlay = vision_overlay_report(getattr(seq, "vision_windows", None))
     if source is None:
-        return None
+        return {"vision_overlay": overlay} if overlay else None
     cont = getattr(seq, "retained", None)
     report: dict = {"source": source, "cache_n": seq.cache_n}
+    if overlay:
+        report["vision_overlay"] = overlay
     mat = getattr(seq, "cache_materialization", None)
     if mat is not None:  # the admission's context-cache decision (spec request_done.materialization)
         report["materialization"] = dict(mat)

@@ -42,3 +42,26 @@ def segment_side(media: Any, start: int, n: int, embeds_of: Callable[[Any], Any]
     if pos is None and not embeddings:
         return None
     return SideInputs(positions=pos, embeddings=embeddings)
+
+
+def whole_spans_end(media: Any, start: int, end: int) -> int:
+    """A prefill chunk's end [start, end) moved off any media span it would cut (a runner with
+    `whole_media_spans`): to the span's start when the chunk begins before it, else to its end."""
+    for span in media.spans:
+        if span.start < end < span.end:
+            return span.start if span.start > start else span.end
+    return end
+
+
+def vision_overlay_report(windows: list[dict] | None) -> dict | None:
+    """request_done.vision_overlay: the overlay windows a request's encodes opened. Windows funded
+    from free KV pages run beside other lanes (concurrent); exclusive ones (the text weights' tail
+    unmapped) do not exist here; allocator windows are the fallback when no run of free pages covers
+    one."""
+    if not windows:
+        return None
+    kinds = [w["window"] for w in windows]
+    return {"windows": len(windows), "concurrent_windows": kinds.count("kv"), "exclusive_windows": 0,
+            "allocator_windows": kinds.count("allocator"), "ms": sum(w["ms"] for w in windows),
+            "window_bytes": max(w["window_bytes"] for w in windows),
+            "staged_bytes": sum(w["staged_bytes"] for w in windows)}

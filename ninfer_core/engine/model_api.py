@@ -348,6 +348,11 @@ class ModelRunner(ABC):
     def configure(self, options: RunnerOptions) -> None:
         """Load-time switches (CUDA Graphs, the verify widths to prepare); before allocate_cache."""
 
+    # True when media rows attend to each other within their item (a bidirectional block), so a
+    # forward must hold a media span whole: the engine never ends a prefill chunk inside one
+    # (a chunk starting inside a span, after a reused prefix, runs to its end).
+    whole_media_spans: bool = False
+
     @property
     def launches_async(self) -> bool:
         """True when a forward only queues device work (CUDA): the engine then hands the previous

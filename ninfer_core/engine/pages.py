@@ -95,6 +95,27 @@ class PagePool(RefCounted):
             self._refs[p] = 1
         return pages
 
+    def allocate_run(self, n: int) -> list[int] | None:
+        """Take `n` free pages with consecutive ids (one contiguous row range of every page-major
+        cache tensor: an overlay vision window borrows them), or None when no such run is free."""
+        if n < 1 or n > len(self._free):
+            return None
+        free = sorted(self._free)
+        run = 1
+        for i in range(1, len(free) + 1):
+            if run >= n:
+                first = free[i - n]
+                pages = list(range(first, first + n))
+                taken = set(pages)
+                self._free = [p for p in self._free if p not in taken]
+                for p in pages:
+                    self._refs[p] = 1
+                return pages
+            if i == len(free):
+                break
+            run = run + 1 if free[i] == free[i - 1] + 1 else 1
+        return None
+
     label = "page pool"
 
     def _release(self, page: int) -> None:

@@ -195,6 +195,7 @@ class Sequence:
         self.media_embeds: dict | None = None
         self.vision_encodes = 0
         self.vision_seconds = 0.0
+        self.vision_windows: list[dict] = []  # the overlay windows this request's encodes opened
 
         self.t_submit = time.monotonic()
         self.t_admit: float | None = None

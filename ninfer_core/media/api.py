@@ -117,8 +117,18 @@ class MediaProcessor(ABC):
     placeholder_ids: ClassVar[dict[str, int]] = {}
     # the most merged tokens one item may take (the tower's envelope); `--vision-max-merged` caps it
     max_merged_limit: int = 16384
+    min_merged: int = 64  # the smallest bound this family can prepare an item at
     video_fps: float = 2.0
     video_max_frames: int = 64
+
+    def item_bound(self, kind: str, detail: str, max_merged: int) -> int:
+        """The merged-token bound of one item at `detail` under the server's bound (spec "Image
+        detail"): low is the area of a 512 x 512 picture, auto and high the server's bound."""
+        from ninfer_core.media.options import LOW_DETAIL_MERGED
+
+        if kind == IMAGE and detail == "low":
+            return min(LOW_DETAIL_MERGED, max_merged)
+        return max_merged
 
     @abstractmethod
     def prepare_image(self, image: Any, max_merged: int) -> tuple[Any, tuple[int, ...], int]:
@@ -155,6 +165,7 @@ class VisionResidency(ABC):
     runner's device by the runner."""
 
     name: str = ""
+    max_item_tokens: int = 0  # the most merged tokens one item takes (set at load from the media bound)
 
     @classmethod
     @abstractmethod
@@ -164,6 +175,11 @@ class VisionResidency(ABC):
     @abstractmethod
     def encode(self, item: PreparedMedia) -> Any:
         """Embeddings [item.tokens, hidden] for one prepared item."""
+
+    def attach(self, pool: Any, runner: Any, lock: Any = None) -> None:
+        """Called once by the engine after its KV pool and the runner's cache exist (`pool` a
+        `ninfer_core.engine.pages.PagePool`, `lock` the engine lock guarding it): a residency that
+        borrows free KV pages for its encodes keeps them. The default ignores it."""
 
     def describe(self) -> dict:
         """Facts for server_start and /props: residency, device bytes."""

@@ -33,6 +33,10 @@ def load_vision(ctx: Any, family: Any, artifact: Any, runner: Any, vocab_size: i
     residency = target.load(family, artifact, runner, ctx.options.plugin_options)
     service = MediaService(processor, opts, vocab_size, ctx.options.max_request_mib << 20,
                            permit_timeout_s=ctx.options.engine.pending_timeout_ms / 1000.0)
+    if service.max_merged < processor.min_merged:
+        raise VisionLoadError(f"--vision-max-merged {service.max_merged} is below the {processor.min_merged} merged "
+                              f"tokens the {artifact.architecture} family prepares an item at")
+    residency.max_item_tokens = service.max_merged  # a runner with whole_media_spans runs one item per forward
     log.info("vision: residency %s (%s), at most %d merged tokens per item, media cache %d MiB (live %d MiB)",
              opts.residency, ", ".join(f"{k} {v}" for k, v in residency.describe().items() if k != "residency"),
              service.max_merged, opts.cache_mib, opts.live_mib)

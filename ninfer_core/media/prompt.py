@@ -20,7 +20,6 @@ from typing import Any
 from ninfer_core.engine.api import EngineError
 from ninfer_core.media.api import (
     IDENTITY_SPACE,
-    IMAGE,
     VIDEO,
     MediaProcessor,
     MediaPrompt,
@@ -29,7 +28,7 @@ from ninfer_core.media.api import (
 )
 from ninfer_core.media.cache import LiveBudget, MediaCache
 from ninfer_core.media.decode import decode_image, decode_video
-from ninfer_core.media.options import LOW_DETAIL_MERGED, MediaOptions
+from ninfer_core.media.options import MediaOptions
 from ninfer_core.media.sources import acquire
 
 MEDIA_KEY = "media"
@@ -108,9 +107,7 @@ class MediaService:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def bound_for(self, ref: MediaRef) -> int:
-        if ref.kind == IMAGE and ref.detail == "low":
-            return min(LOW_DETAIL_MERGED, self.max_merged)
-        return self.max_merged
+        return self.processor.item_bound(ref.kind, ref.detail, self.max_merged)
 
     def _prepare(self, ref: MediaRef, report: PrepareReport) -> PreparedMedia:
         t0 = time.monotonic()

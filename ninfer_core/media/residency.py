@@ -2,13 +2,14 @@
 for the process lifetime), overlay (pinned host weights streamed through a device window for each
 encode) and cpu (an FP32 tower on host threads, no device memory).
 
-Both are ordinary plugins registered through `ninfer_register_vision_residencies`; a third party
-adds its own (an overlay that streams the tower through borrowed device memory) the same way.
+All three are ordinary plugins registered through `ninfer_register_vision_residencies`; a third
+party adds its own the same way.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from ninfer_core import hookimpl
@@ -59,16 +60,21 @@ class CpuResidency(VisionResidency):
 
 class OverlayResidency(VisionResidency):
     """The tower's weights in pinned host memory in the run dtype; each encode streams them
-    through a bounded device window (two block slots), so between encodes the tower holds no
-    device memory. The family's tower provides `encode_streamed(item, device)`, `pin()` and
-    `window_bytes()`. The window is taken from the device allocator for the encode (not yet from
-    free KV pages, and without the text-weight fallback the spec describes)."""
+    through a bounded device window (two block slots plus the tower's front), so between encodes
+    the tower holds no device memory. The window is borrowed from free KV pages when they cover it
+    (`attach` gives the engine's pool; ninfer_core.media.window), else taken from the device
+    allocator for the encode. The embeddings land in pinned host memory; the runner uploads each
+    chunk's rows. The family's tower provides `pin()`, `window_tensors()` (the meta modules a window
+    holds) and `encode_streamed(item, device, window)`."""
 
     name = "overlay"
 
     def __init__(self, tower: Any, device: Any):
         self.tower, self.device = tower, device
-        self.windows = 0
+        self.lender = None  # window.PageLender once the engine attached its KV pool
+        self.windows = {"kv": 0, "allocator": 0}
+        self.window_pages = 0  # pages the last KV-funded window borrowed
+        self.last_encode: dict | None = None
 
     @classmethod
     def load(cls, family, artifact, runner, options) -> OverlayResidency:
@@ -79,13 +85,46 @@ class OverlayResidency(VisionResidency):
         tower.pin()
         return cls(tower, runner.device)
 
+    def attach(self, pool, runner, lock=None) -> None:
+        from ninfer_core.media.window import PageLender
+
+        self.lender = PageLender(pool, getattr(runner, "kv_page_tensors", tuple), lock)
+
+    def window_sizes(self) -> list[int]:
+        from ninfer_core.media.window import nbytes_of
+
+        return nbytes_of(self.tower.window_tensors(), self.tower.dtype)
+
     def encode(self, item: PreparedMedia):
-        self.windows += 1
-        return self.tower.encode_streamed(item, self.device)
+        import torch
+
+        from ninfer_core.media.window import allocator_window
+
+        t0 = time.monotonic()
+        sizes = self.window_sizes()
+        window = self.lender.borrow(sizes) if self.lender is not None else None
+        if window is None:
+            window = allocator_window(sizes, self.device)
+        self.windows[window.kind] += 1
+        try:
+            out = self.tower.encode_streamed(item, self.device, window)
+            if out.device.type == "cuda":  # the embeddings wait in pinned memory, not in the window
+                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                host.copy_(out)
+                out = host
+        finally:
+            if window.kind == "kv":
+                self.window_pages = len(window.pages)
+                self.lender.give_back(window)
+        # what the request log's vision_overlay sums over a request's encodes (engine._media_rows)
+        self.last_encode = {"window": window.kind, "ms": (time.monotonic() - t0) * 1000.0,
+                            "window_bytes": window.nbytes, "staged_bytes": int(out.numel() * out.element_size())}
+        return out
 
     def describe(self) -> dict:
-        return {"residency": self.name, "device_bytes": 0, "window_bytes": int(self.tower.window_bytes()),
-                "windows": self.windows}
+        return {"residency": self.name, "device_bytes": 0, "window_bytes": int(sum(self.window_sizes())),
+                "windows": sum(self.windows.values()), "kv_windows": self.windows["kv"],
+                "allocator_windows": self.windows["allocator"]}
 
 
 @hookimpl

@@ -337,6 +337,8 @@ class _Tracker:
             rec["speculative"] = ev.speculative
         if context.get("id_slot") is not None:
             rec["retained_slot"] = context["id_slot"]
+        if context.get("vision_overlay"):  # the overlay windows this request's encodes opened
+            rec["vision_overlay"] = context["vision_overlay"]
         self.log.write("request_done", **rec)
 
     def _error(self, now: float, phase: str, err: Any, ev: Any) -> None:

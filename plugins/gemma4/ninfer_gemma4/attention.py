@@ -1,7 +1,9 @@
 """Gemma 4 attention over the paged KV cache (torch reference path).
 
 Sliding layers attend to the last `window` positions (key p' is visible to query p when
-p - window < p' <= p); global layers to every earlier position. q_norm and k_norm are scaled RMSNorms
+p - window < p' <= p); global layers to every earlier position. With use_bidirectional_attention
+"vision" a media row of a sliding layer also sees the later rows of its item (within the window),
+as transformers' blockwise mask does; such a forward takes the torch path. q_norm and k_norm are scaled RMSNorms
 over head_dim, v_norm an unscaled one; the softmax scale is 1 (the norms set the logit size).
 A K=V global layer has no v_proj: its value is the raw key projection, v-normed (no RoPE).
 A KV-shared layer has no K/V projections: it attends over the pages of its source layer, which
@@ -37,6 +39,9 @@ class Segment:
     start: int
     length: int
     offset: int
+    # media runs [a, b) (absolute positions) whose rows see each other in sliding layers
+    # (use_bidirectional_attention "vision"); each ends inside this forward
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -142,7 +147,8 @@ class Attention(nn.Module):
     def _attend(self, q, k_cache, v_cache, x, ctx: Context) -> torch.Tensor:
         n = x.shape[0]
         group = ctx.group_of[self.source]
-        if use_triton(q) and _flat(ctx.segments):  # the Triton kernel over every lane at once (GPU path)
+        bidirectional = self.window is not None and any(seg.blocks for seg in ctx.segments)
+        if use_triton(q) and _flat(ctx.segments) and not bidirectional:  # the Triton kernel, every lane at once
             window = self.window or 0
             block_t, _ = block_rows(self.heads // self.kv_heads, self.head_dim)
             meta = ctx.meta_of(group, window, block_t, ctx.page_size, q.device)
@@ -167,6 +173,9 @@ class Attention(nn.Module):
         kpos = torch.arange(lo, end, device=q.device)
         mask = kpos[None, :] <= qpos[:, None]
         if self.window is not None:
+            for a, b in seg.blocks:  # a media row also sees the later rows of its item (they are in this forward)
+                inside = (qpos >= a) & (qpos < b)
+                mask |= inside[:, None] & (kpos[None, :] > qpos[:, None]) & (kpos[None, :] < b)
             mask &= kpos[None, :] > qpos[:, None] - self.window
         return grouped_attention(q[seg.offset: seg.offset + seg.length], keys, vals, mask)
 

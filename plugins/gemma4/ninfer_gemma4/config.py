@@ -59,6 +59,7 @@ class Gemma4Config:
     pad_token_id: int = 0
     eos_token_ids: tuple[int, ...] = ()
     has_vision: bool = False
+    bidirectional_vision: bool = False  # use_bidirectional_attention "vision": a media item's rows see each other in sliding layers
     kv_source: tuple[int, ...] = field(default=())  # per layer: the layer whose K/V it attends over
 
     # -- derived per-layer geometry ---------------------------------------------------------------
@@ -157,6 +158,7 @@ class Gemma4Config:
             pad_token_id=int(text.get("pad_token_id") or 0),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             has_vision=bool(hf.get("vision_config")) if arch == "gemma4" else False,
+            bidirectional_vision=text.get("use_bidirectional_attention") == "vision",
         )
         cfg.kv_source = _kv_sources(cfg.layer_types, shared)
         if moe and not (cfg.num_experts and cfg.top_k_experts and cfg.moe_intermediate_size):

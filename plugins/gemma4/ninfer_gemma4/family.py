@@ -4,7 +4,8 @@ Loading follows the Qwen3.5 family: modules are built on the meta device, then t
 memory-mapped tensors are assigned by name (cast to the run dtype). Both Hugging Face layouts load:
 `model.language_model.*` (Gemma4ForConditionalGeneration, the published checkpoints) and `model.*`
 (Gemma4ForCausalLM). Vision and audio towers (`model.vision_tower.*`, `model.embed_vision.*`,
-`model.audio_tower.*`, `model.embed_audio.*`) are not loaded by the text model. Checkpoints that
+`model.audio_tower.*`, `model.embed_audio.*`) are not loaded by the text model; `--vision` loads
+the vision tower and its embedder through `vision_tower` (ninfer_gemma4.vision). Checkpoints that
 still carry K/V projections for KV-shared layers have them dropped, as transformers does.
 """
 
@@ -109,6 +110,23 @@ class Gemma4Family(ModelFamily):
             model.lm_head.weight = model.embed_tokens.weight
         model.init_rotary(dev)
         return Gemma4StageRunner(model, cfg, dev, run_dtype, layers, eos_token_ids=_eos_ids(artifact))
+
+    # ---- vision (model.vision_tower.*, model.embed_vision.*; ninfer_core.media) -------------------
+    def media_processor(self, artifact):
+        """Gemma 4's image/video preprocessing for an artifact with a vision tower, else None."""
+        if "vision" not in (getattr(artifact, "components", None) or []) or not artifact.config.get("vision_config"):
+            return None
+        from ninfer_gemma4.media import Gemma4MediaProcessor
+
+        return Gemma4MediaProcessor(artifact.config)
+
+    def vision_tower(self, artifact, device: str, dtype=None):
+        """The tower (and its embedder) over `device` in `dtype` (default: the run dtype there)."""
+        from ninfer_gemma4.vision import Gemma4VisionTower, load_vision_model
+
+        dev = torch.device(device)
+        dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
+        return Gemma4VisionTower(load_vision_model(artifact, dev, dt), dev)
 
     def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
         """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as

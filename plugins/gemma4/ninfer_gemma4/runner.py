@@ -65,6 +65,9 @@ class Gemma4Runner(ModelRunner):
         self._graphs = None  # gpu.graphs.DecodeGraphs, made on the first graphed decode
         self.scratch_page = self.scratch_slot = -1
         self.group_of = {i: GROUP_NAMES[cfg.layer_types[i]] for i in range(cfg.num_hidden_layers)}
+        # use_bidirectional_attention "vision": a media item's rows attend to each other in the
+        # sliding layers, so the engine hands each item to one forward whole
+        self.whole_media_spans = cfg.bidirectional_vision
         self.info = ModelInfo(
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,
@@ -281,6 +284,12 @@ class Gemma4Runner(ModelRunner):
         if any(s.kind == VERIFY for s in segments):
             raise ValueError(f"a verify of more than {self.max_segment} tokens (configure max_segment_tokens)")
         n = self.max_segment
+        if self.whole_media_spans:  # a media item's rows attend to each other: a cut would change them
+            for s in segments:
+                for row, e in (s.side.embeddings if s.side is not None else ()):
+                    if (row + int(e.shape[0]) - 1) // n != row // n:
+                        raise ValueError(f"a media item of {int(e.shape[0])} rows does not fit forwards of "
+                                         f"{n} tokens (configure max_segment_tokens to hold it)")
         parts: list[list[SegmentOutput]] = [[] for _ in segments]
         rounds = max(-(-len(s.tokens) // n) for s in segments)
         for r in range(rounds):
@@ -313,7 +322,11 @@ class Gemma4Runner(ModelRunner):
             tables = {g: list(t) for g, t in s.tables.items()}
             if self.ring_pages:
                 tables[RING] = self.ring_table(s.slot)
-            segs.append(Segment(s.slot, tables, s.start, len(s.tokens), off))
+            blocks = ()
+            if self.cfg.bidirectional_vision and s.side is not None and s.side.embeddings:
+                # absolute positions [a, b) of each media run (one item's rows; spans never adjoin)
+                blocks = tuple((s.start + row, s.start + row + int(e.shape[0])) for row, e in s.side.embeddings)
+            segs.append(Segment(s.slot, tables, s.start, len(s.tokens), off, blocks))
             off += len(s.tokens)
         ps = self.page_size
         default = torch.cat([torch.arange(s.start, s.start + s.length, dtype=torch.int64) for s in segs])
@@ -355,6 +368,8 @@ class Gemma4Runner(ModelRunner):
         transformers does for media placeholders); (None, None) without side embeddings."""
         if not any(s.side is not None and s.side.embeddings for s in segments):
             return None, None
+        # media rows carry identity ids past the vocabulary: their lookups are overwritten below
+        ids = ids.clamp(max=self.cfg.vocab_size - 1)
         x = self.model.scaled_embed(ids).clone()
         ple_ids = ids.clone()
         off = 0

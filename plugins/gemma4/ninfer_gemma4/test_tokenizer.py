@@ -20,6 +20,7 @@ CONTROL = [
     (50, "<|tool_response>", False), (51, "<tool_response|>", False), (52, '<|"|>', False),
     (98, "<|think|>", True), (100, "<|channel>", False), (101, "<channel|>", False),
     (105, "<|turn>", True), (106, "<turn|>", True), (107, "<|image|>", True),
+    (108, "<|image>", True), (109, "<image|>", True), (110, "<|video|>", True),
 ]
 RESERVED = 128  # ids below are control / unused tokens; then 256 byte pieces; then learned pieces
 

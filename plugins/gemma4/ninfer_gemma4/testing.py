@@ -35,9 +35,28 @@ def layer_pattern(n: int, period: int) -> list[str]:
     return [S if (i + 1) % period else G for i in range(n)]
 
 
+# the test tokenizer's media tokens (ninfer_gemma4.test_tokenizer.CONTROL)
+MEDIA_TOKENS = {"image_token_id": 107, "boi_token_id": 108, "eoi_token_id": 109, "video_token_id": 110}
+
+
+def shrunk_vision_config(**over) -> dict:
+    """A Gemma 4 vision_config at test size with the published tower's structure (bidirectional
+    blocks, axial RoPE, 3x3 pooling, standardization); the KV heads grouped to exercise GQA."""
+    cfg = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "patch_size": 16,
+           "pooling_kernel_size": 3, "position_embedding_size": 128, "rms_norm_eps": 1e-6,
+           "hidden_activation": "gelu_pytorch_tanh", "standardize": True, "use_clipped_linears": False,
+           "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}
+    cfg.update(over)
+    return cfg
+
+
 def shrunk_config(kind: str, vocab_size: int = 512, num_layers: int | None = None, window: int = 8,
-                  multimodal: bool = True) -> dict:
-    """A config.json dict of `kind` at test size (model_type gemma4 with text_config, or gemma4_text)."""
+                  multimodal: bool = True, vision: dict | None = None, bidirectional_vision: bool = False) -> dict:
+    """A config.json dict of `kind` at test size (model_type gemma4 with text_config, or gemma4_text);
+    `vision`: a vision_config (shrunk_vision_config) for a vision-language checkpoint, whose text
+    model reads a media item's rows bidirectionally with `bidirectional_vision` (the 31B's
+    use_bidirectional_attention "vision")."""
     real = REAL[kind]
     period = real["period"]
     n = num_layers or (2 * period if not real["num_kv_shared_layers"] else 3 * period)
@@ -61,13 +80,18 @@ def shrunk_config(kind: str, vocab_size: int = 512, num_layers: int | None = Non
         "pad_token_id": 0, "eos_token_id": [1, 106, 50], "bos_token_id": 2, "tie_word_embeddings": True,
         "enable_moe_block": bool(real.get("enable_moe_block")),
     }
+    if bidirectional_vision:
+        text["use_bidirectional_attention"] = "vision"
     if real.get("enable_moe_block"):
         text.update(num_experts=8, top_k_experts=2, moe_intermediate_size=32)
     if not multimodal:
         return text
-    return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
-            "vision_config": None, "audio_config": None, "tie_word_embeddings": True,
-            "eos_token_id": [1, 106, 50], "pad_token_id": 0, "bos_token_id": 2}
+    out = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+           "vision_config": vision, "audio_config": None, "tie_word_embeddings": True,
+           "eos_token_id": [1, 106, 50], "pad_token_id": 0, "bos_token_id": 2}
+    if vision is not None:
+        out.update(MEDIA_TOKENS)
+    return out
 
 
 def hf_model(config: dict, seed: int = 0, std: float = 0.05):
@@ -97,6 +121,14 @@ def hf_model(config: dict, seed: int = 0, std: float = 0.05):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))
+            elif name.endswith("std_bias"):  # the vision standardization (uninitialised by transformers)
+                b.normal_(0.0, 0.5)
+            elif name.endswith("std_scale"):
+                b.copy_(1.0 + 0.2 * torch.randn_like(b))
+            elif name.endswith(("input_min", "output_min")):  # finite clip bounds, so clipping shows
+                b.fill_(-0.5)
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(0.5)
     return model.eval()
 
 

@@ -226,67 +226,43 @@ class Qwen35VisionTower(VisionTower):
             for p in self.model.parameters():
                 p.data = p.data.pin_memory()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.patch_embed.proj.weight.dtype
+
+    def window_tensors(self) -> list[nn.Module]:
+        """The modules one streamed encode holds on the device, built on the meta device: the
+        tower's front (patch embedding, positions, merger) and two block slots."""
+        cfg = self.model.cfg
+        with torch.device("meta"):
+            front = Qwen35VisionModel(VisionConfig(**{**cfg.__dict__, "depth": 0}))
+            slots = [VisionBlock(cfg) for _ in range(min(2, cfg.depth))]
+        return [front, *slots]
+
     def window_bytes(self) -> int:
         """Device bytes one streamed encode borrows: two block slots, the embedding and the merger."""
-        m = self.model
+        from ninfer_core.media.window import nbytes_of
 
-        def size(mod):
-            return sum(p.numel() * p.element_size() for p in mod.parameters())
-
-        return 2 * size(m.blocks[0]) + size(m.patch_embed) + size(m.pos_embed) + size(m.merger)
+        return sum(nbytes_of(self.window_tensors(), self.dtype))
 
     @torch.inference_mode()
-    def encode_streamed(self, item: PreparedMedia, device) -> torch.Tensor:
-        """`encode` with the weights in host memory: the embedding and merger are copied for this
-        encode, the blocks stream through two device slots (the next one loads on a copy stream
-        while the current one computes). The same kernels on the same bytes as a resident tower."""
+    def encode_streamed(self, item: PreparedMedia, device, window=None) -> torch.Tensor:
+        """`encode` with the weights in host memory: the front is copied into the window for this
+        encode and the blocks stream through its two slots (ninfer_core.media.window). The same
+        kernels on the same bytes as a resident tower. `window`: a DeviceWindow (None: one from
+        the device allocator)."""
+        from ninfer_core.media.window import allocator_window, fill_from, nbytes_of, stream_blocks
+
         dev = torch.device(device)
-        host, cfg = self.model, self.model.cfg
-        dtype = host.patch_embed.proj.weight.dtype
-        cuda = dev.type == "cuda"
-        copy_stream = torch.cuda.Stream(device=dev) if cuda else None
-
-        def slot(factory):
-            with torch.device("meta"):
-                mod = factory().to(dtype)
-            return mod.to_empty(device=dev)
-
-        def fill(dst: nn.Module, src: nn.Module) -> None:
-            for a, b in zip(dst.parameters(), src.parameters()):
-                a.copy_(b, non_blocking=cuda)
-
-        def make_model():
-            return Qwen35VisionModel(VisionConfig(**{**cfg.__dict__, "depth": 0}))
-
-        front = slot(make_model)
-        fill(front.patch_embed, host.patch_embed)
-        fill(front.pos_embed, host.pos_embed)
-        fill(front.merger, host.merger)
-        slots = [slot(lambda: VisionBlock(cfg)) for _ in range(min(2, cfg.depth))]
-        ready: list = [None, None]
-
-        def load(i: int) -> None:
-            target = slots[i % 2]
-            if not cuda:
-                fill(target, host.blocks[i])
-                return
-            compute = torch.cuda.current_stream(dev)
-            with torch.cuda.stream(copy_stream):
-                copy_stream.wait_stream(compute)  # the slot's previous block has finished
-                fill(target, host.blocks[i])
-                ev = torch.cuda.Event()
-                ev.record(copy_stream)
-                ready[i % 2] = ev
-
-        if cfg.depth:
-            load(0)
+        host = self.model
+        front, *slots = mods = self.window_tensors()
+        if window is None:
+            window = allocator_window(nbytes_of(mods, self.dtype), dev)
+        window.materialize(mods, self.dtype)
+        for name in ("patch_embed", "pos_embed", "merger"):
+            fill_from(getattr(front, name), getattr(host, name))
         x, cos, sin, frames = front.embed(item.pixel_values.to(dev), [tuple(item.grid)])
-        for i in range(cfg.depth):
-            if i + 1 < cfg.depth:
-                load(i + 1)
-            if cuda:
-                torch.cuda.current_stream(dev).wait_event(ready[i % 2])
-            x = slots[i % 2](x, cos, sin, frames)
+        x = stream_blocks(host.blocks, slots, lambda blk, h: blk(h, cos, sin, frames), x, dev)
         out = front.merger(x)
         if out.shape[0] != item.tokens:
             raise RuntimeError(f"the tower produced {out.shape[0]} embeddings for an item of {item.tokens} tokens")
