@@ -161,3 +161,41 @@ def moe_grouped():
                     assert rel(act[t * slots + j], a) < BF16_TOL, (n, t, j)
                     assert rel(y[t * slots + j], wd @ act[t * slots + j].double()) < BF16_TOL, (n, t, j)
     print("moe grouped ok")
+
+
+def linear_swap():
+    """use_gemv swaps plain Linears only; the swapped module equals F.linear for decode rows (the
+    kernel) and for a prefill-sized input (F.linear itself), and NINFER_GEMV=0 keeps F.linear."""
+    import os
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 192, bias=True), nn.GELU(), nn.Linear(192, 128, bias=False))
+    ref = [m.weight.detach().clone() for m in net if isinstance(m, nn.Linear)]
+    assert G.use_gemv(net) == 2 and all(type(m) is G.GemvLinear for m in net if isinstance(m, nn.Linear))
+    assert G.use_gemv(net) == 0  # already swapped
+    calls = {"n": 0}
+    real = G.gemv
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    G.gemv = counting
+    try:
+        with torch.no_grad():
+            for shape in ((1, 256), (3, 256), (2, 4, 256), (40, 256)):
+                x = torch.randn(*shape)
+                want = F.linear(F.gelu(F.linear(x, ref[0], net[0].bias)), ref[1])
+                got = net(x)
+                assert got.shape == want.shape and rel(got, want) < 1e-5, (shape, rel(got, want))
+            assert calls["n"] == 6, calls  # 2 linears x the three decode-sized inputs; 40 rows take F.linear
+            os.environ["NINFER_GEMV"] = "0"
+            net(torch.randn(1, 256))
+            assert calls["n"] == 6
+    finally:
+        G.gemv = real
+        os.environ.pop("NINFER_GEMV", None)
+    print("ok")
+

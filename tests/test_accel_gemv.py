@@ -26,7 +26,7 @@ def _run(case: str):
 
 
 @pytest.mark.parametrize("case", ["plain", "gated", "epilogues", "split_counters_and_determinism",
-                                  "fp32_and_default_pick", "moe_grouped"])
+                                  "fp32_and_default_pick", "moe_grouped", "linear_swap"])
 def test_gemv_kernel_under_the_interpreter(case):
     pytest.importorskip("triton")
     _run(case)

@@ -410,3 +410,31 @@ def gemv_silu_mul(x, w_gu, config: Config | None = None, out=None):
         return _launch(cfg, x, wc, y, None, None, True, i, False)
 
     return run(config or _pick("gated", x, w_gu, i, run), w_gu)
+
+
+# ------------------------------------------------------------------------------------------------
+# a Linear that decodes through the GEMV (for families whose GPU path runs their torch modules)
+# ------------------------------------------------------------------------------------------------
+class GemvLinear(torch.nn.Linear):
+    """An nn.Linear whose forward takes `gemv` for 1..MAX_ROWS rows where the kernel runs (CUDA, or
+    the interpreter) and F.linear otherwise (prefill chunks, the CPU path). Modules become one by a
+    class swap (`use_gemv`), so their parameters, names and state dict stay as they are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if enabled() and x.dim() >= 2:
+            rows = x.reshape(-1, x.shape[-1])
+            b = self.bias
+            if supported(rows, self.weight) and (b is None or (b.dim() == 1 and b.is_contiguous())):
+                return gemv(rows, self.weight, b).view(*x.shape[:-1], self.weight.shape[0])
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_gemv(module: torch.nn.Module) -> int:
+    """Swap every plain nn.Linear under `module` (exactly that class: quantised or other subclasses
+    are left alone) to GemvLinear; returns how many were swapped. NINFER_GEMV=0 is read per call."""
+    n = 0
+    for m in module.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = GemvLinear
+            n += 1
+    return n

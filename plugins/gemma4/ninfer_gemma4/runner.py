@@ -68,6 +68,10 @@ class Gemma4Runner(ModelRunner):
         # use_bidirectional_attention "vision": a media item's rows attend to each other in the
         # sliding layers, so the engine hands each item to one forward whole
         self.whole_media_spans = cfg.bidirectional_vision
+        if device.type == "cuda":  # decode-sized linears through core's GEMV (issue 21; NINFER_GEMV=0: cuBLAS)
+            from ninfer_core.accel.gemv import use_gemv
+
+            self.gemv_linears = use_gemv(model)
         self.info = ModelInfo(
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,
