@@ -97,3 +97,31 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     r = subprocess.run([sys.executable, "-c", KERNEL_CASE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "kernels ok" in r.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_on_cuda_at_the_qwen35_27b_attention_shape():
+    """bf16 queries, 24 heads over 4 KV heads of 256, 64-row pages (scripts/gpu_check.py --order quant)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    page, kvh, d, h, pages = 64, 4, 256, 24, 40
+    for fmt in (INT8, FP8, K8V4):
+        k, ks = fmt.allocate(fmt.k_kind, pages, page, kvh, d, torch.bfloat16, dev)
+        v, vs = fmt.allocate(fmt.v_kind, pages, page, kvh, d, torch.bfloat16, dev)
+        rows = pages * page
+        write_rows(fmt, k, v, ks, vs, torch.arange(pages, device=dev).repeat_interleave(page),
+                   torch.arange(page, device=dev).repeat(pages),
+                   torch.randn(rows, kvh, d, generator=g, device=dev, dtype=torch.bfloat16),
+                   torch.randn(rows, kvh, d, generator=g, device=dev, dtype=torch.bfloat16))
+        table = torch.randperm(pages, generator=g, device=dev)[:36].to(torch.int32).reshape(3, 12)
+        lens = torch.tensor([700, 65, 768], dtype=torch.int32, device=dev)
+        q = torch.randn(3, h, d, generator=g, device=dev, dtype=torch.bfloat16)
+        got = KA.paged_decode_attention(q, fmt, k, v, ks, vs, table, lens, d ** -0.5).float()
+        want = KA.ref_paged_decode_attention(q, fmt, k, v, ks, vs, table, lens, d ** -0.5).float()
+        e1 = float((got - want).abs().max() / want.abs().max())
+        qp = torch.randn(300, h, d, generator=g, device=dev, dtype=torch.bfloat16)
+        got = KA.paged_prefill_attention(qp, fmt, k, v, ks, vs, table[0].contiguous(), 400, d ** -0.5).float()
+        want = KA.ref_paged_prefill_attention(qp, fmt, k, v, ks, vs, table[0], 400, d ** -0.5).float()
+        e2 = float((got - want).abs().max() / want.abs().max())
+        print(f"QUANT kv attention {fmt.name} on CUDA: decode rel err {e1:.1e}, prefill rel err {e2:.1e}")
+        assert e1 < 2e-2 and e2 < 2e-2, (fmt.name, e1, e2)

@@ -6,6 +6,9 @@ memory-mapped tensors are assigned by name (cast to the run dtype). Both Hugging
 (Gemma4ForCausalLM). Vision and audio towers (`model.vision_tower.*`, `model.embed_vision.*`,
 `model.audio_tower.*`, `model.embed_audio.*`) are not loaded by the text model. Checkpoints that
 still carry K/V projections for KV-shared layers have them dropped, as transformers does.
+Encoded weights (`ninfer convert --quantize`) are swapped in as QuantizedWeights after the model is
+built, so every projection (attention, MLP, the fused MoE experts) runs through the dequantising
+linear; `--kv-dtype` picks the global layers' page format (runner.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 
 from ninfer_core.accel import resolve_dtype
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.quant.kv import kv_format
+from ninfer_core.quant.transform import apply_load_encodings, assign_encoded, quantize_model, split_encoded
 from ninfer_gemma4.chat import GEMMA4_TEMPLATE
 from ninfer_gemma4.config import Gemma4Config
 from ninfer_gemma4.model import Gemma4TextModel
@@ -39,19 +44,26 @@ class Gemma4Family(ModelFamily):
         with torch.device("meta"):
             model = Gemma4TextModel(cfg)
         state = text_state(artifact, cfg)
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        prefix = _text_prefix(artifact)
+        encoded = split_encoded(artifact, state, lambda n: n[len(prefix):] if n.startswith(prefix) else n)
+        tied = cfg.tie_word_embeddings or ("lm_head.weight" not in state and "lm_head.weight" not in encoded)
         if tied:
             state.pop("lm_head.weight", None)
-        assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if tied else set())
+        assign(model, state, run_dtype, dev, skip=set(encoded) | ({"lm_head.weight"} if tied else set()))
+        assign_encoded(model, artifact, encoded, run_dtype, dev)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
+        apply_load_encodings(model, options)  # --lm-head-q4|q6, --embedding-q4|q6
+        if getattr(options, "quantize", None) is not None:  # `ninfer bench --quantize` (random weights)
+            quantize_model(model, options.quantize)
         model.init_rotary(dev)
         eos = ()
         tok = getattr(artifact, "tokenizer_section", None)
         if isinstance(tok, dict):
             by_text = {t.get("content"): t.get("id") for t in tok.get("added_tokens", [])}
             eos = tuple(by_text[e] for e in tok.get("eos_tokens", []) if by_text.get(e) is not None)
-        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=eos)
+        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=eos,
+                            kv_format=kv_format(getattr(options, "kv_dtype", None)))
 
     def random_artifact(self, hf_config: dict, device: str = "cuda", seed: int = 0, **kw):
         """An artifact-like source of random weights at `hf_config`'s shape, drawn on `device` as
@@ -81,11 +93,17 @@ class Gemma4Family(ModelFamily):
         return {"thinking": dict(SAMPLING_PRESET), "non_thinking": dict(SAMPLING_PRESET)}
 
 
-def text_state(artifact, cfg: Gemma4Config) -> dict[str, torch.Tensor]:
+def _text_prefix(artifact) -> str:
     names = [n for n in artifact.tensor_names() if not n.startswith(MEDIA_PREFIXES)]
     prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), None)
     if prefix is None:
         raise LoadError("no text-model layers found (expected model.language_model.layers.* or model.layers.*)")
+    return prefix
+
+
+def text_state(artifact, cfg: Gemma4Config) -> dict[str, torch.Tensor]:
+    names = [n for n in artifact.tensor_names() if not n.startswith(MEDIA_PREFIXES)]
+    prefix = _text_prefix(artifact)
     state = {}
     for n in names:
         if n.startswith(prefix):
