@@ -101,7 +101,7 @@ def tiny_table(per_kind: int, prose_docs: int, out_dir: str) -> str:
         print(f"  {label}: {acc} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
     base = rows[0]
     n = len(samples)
-    lines = [f"| ninfer-tiny | file | prose ppl | vs bf16 | tool | JSON | addition | same answer as bf16 |",
+    lines = ["| ninfer-tiny | file | prose ppl | vs bf16 | tool | JSON | addition | same answer as bf16 |",
              "|---|---|---|---|---|---|---|---|"]
     for label, size, s, answers in rows:
         same = sum(a == b for a, b in zip(answers, base[3]))

@@ -184,7 +184,7 @@ if HAVE_TRITON:
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        for p in range(0, last // PAGE + 1):
+        for p in range(last // PAGE + 1):
             page = tl.load(BT + p).to(tl.int64)
             k = _load_tile(K, KS, page, offs_r, kvh, offs_d, s_kp, s_kr, s_kh, s_sp, s_sr, s_sh, KK)
             s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale

@@ -45,7 +45,7 @@ class Gemma4Family(ModelFamily):
             model = Gemma4TextModel(cfg)
         state = text_state(artifact, cfg)
         prefix = _text_prefix(artifact)
-        encoded = split_encoded(artifact, state, lambda n: n[len(prefix):] if n.startswith(prefix) else n)
+        encoded = split_encoded(artifact, state, lambda n: n.removeprefix(prefix))
         tied = cfg.tie_word_embeddings or ("lm_head.weight" not in state and "lm_head.weight" not in encoded)
         if tied:
             state.pop("lm_head.weight", None)

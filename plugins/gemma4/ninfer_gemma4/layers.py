@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ninfer_gemma4.config import Gemma4Config, RopeSpec
 from ninfer_core.quant.weight import QuantizedWeight
+from ninfer_gemma4.config import Gemma4Config, RopeSpec
 
 
 def _use_kernels(x: torch.Tensor) -> bool:

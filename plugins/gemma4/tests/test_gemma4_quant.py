@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 from gemma4_test_support import plugin_flags
+from ninfer_gemma4.family import Gemma4Family
 
 from ninfer_core.artifact import Artifact
 from ninfer_core.artifact.convert import _encoding_of, convert_artifact
 from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment
 from ninfer_core.quant.kv import BF16, FP8, INT8, K8V4, KVFormat
 from ninfer_core.quant.weight import QuantizedWeight
-from ninfer_gemma4.family import Gemma4Family
 
 IDS = [int(x) for x in torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(5))]
 
@@ -113,9 +113,9 @@ def test_kv_dtypes_track_bf16_and_refuse_another_dtypes_pages(gemma_artifacts, k
         drifts[fmt.name] = drift = float(per_pos.median())
         assert 0 < drift < bound, (fmt.name, drift)
         stored = r.read_pages([0, 1])
-        for side, kind in (("k", fmt.k_kind), ("v", fmt.v_kind)):  # the rows written are bf16's, encoded
+        for side, skind in (("k", fmt.k_kind), ("v", fmt.v_kind)):  # the rows written are bf16's, encoded
             want = bf16_pages[f"{side}.{first}"]
-            back = KVFormat.decode(kind, stored[f"{side}.{first}"], stored[f"{side}s.{first}"], torch.float32)
+            back = KVFormat.decode(skind, stored[f"{side}.{first}"], stored[f"{side}s.{first}"], torch.float32)
             amax = want.abs().amax(-1, keepdim=True).clamp_min(1e-6)
             assert float(((back - want).abs() / amax).max()) < row_tol, (fmt.name, side)
         assert r.cache_spec().kv_bytes_per_token < ref.cache_spec().kv_bytes_per_token

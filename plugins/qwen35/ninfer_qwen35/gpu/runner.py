@@ -37,8 +37,8 @@ from ninfer_core.engine.model_api import (
     RunnerOptions,
     SegmentOutput,
 )
-from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_core.quant import kv_attention as QA
+from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_qwen35.context import Segment
 from ninfer_qwen35.gpu import kernels as K
 from ninfer_qwen35.gpu import moe_kernels as MK
