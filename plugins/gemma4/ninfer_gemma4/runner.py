@@ -59,11 +59,14 @@ class Gemma4Runner(ModelRunner):
                  eos_token_ids: tuple[int, ...] = (), kv_format=None):
         from ninfer_core.quant.kv import kv_format as _kv_format
         from ninfer_core.quant.transform import encoded_params
+        from ninfer_core.quant.weight import QuantizedWeight
 
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.kv_format = _kv_format(kv_format)  # --kv-dtype of the global layers' pages
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kv_scale: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # global layer -> (K, V) scales
+        self._encoded_experts = any(isinstance(getattr(m, "gate_up_proj", None), QuantizedWeight)
+                                    for m in model.modules())
         self.page_size = PAGE_SIZE
         self.num_pages = self.num_slots = 0
         self._uncommitted: dict[int, int] = {}  # slot -> verify length not committed yet
@@ -100,8 +103,11 @@ class Gemma4Runner(ModelRunner):
                 self._graphs = None
 
     @property
-    def graphs_enabled(self) -> bool:  # quantised pages: per-lane attention launches, no graphs
-        return self.cuda_graph and self.device.type == "cuda" and not self.kv_format.quantized
+    def graphs_enabled(self) -> bool:
+        # quantised pages (per-lane attention launches) and encoded experts (their per-expert loop
+        # reads the routed ids on the host) decode without CUDA Graphs
+        return (self.cuda_graph and self.device.type == "cuda" and not self.kv_format.quantized
+                and not self._encoded_experts)
 
     def _ring_pages(self, page_size: int) -> int:
         window = self.cfg.sliding_window or 0
