@@ -243,7 +243,8 @@ def main() -> int:
             else:
                 cmd += ["--prefill-lens", "4096", "--long-context", "0", *(["--quantize", enc] if enc != "bf16" else [])]
             # an even share of what is left for the runs still to come, at least 35 s
-            rc, dt, text = run(cmd, os.path.join(a.out, f"quant-{tag}.log"), max(35, budget / (len(runs) - i) * 1.6))
+            rc, dt, text = run(cmd, os.path.join(a.out, f"quant-{tag}.log"),
+                               max(35, min(budget, budget / (len(runs) - i) * 1.6)))
             if rc != 0 or not os.path.exists(js):
                 summary.append(f"== quant {shape} {enc} rc={rc} in {dt:.0f} s\n{text[-1500:]}")
                 continue
