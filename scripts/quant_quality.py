@@ -160,9 +160,9 @@ def drift_table(layers: int = 4, vocab: int = 32768, prompt: int = 32, chunks: i
         return torch.cat([o.reshape(-1, vocab) for o in outs]), toks
 
     base, toks = run()
-    lines = [f"| random Qwen3.5-9B shape ({layers} layers, vocab {vocab}), {base.shape[0]} positions "
-             "| max abs drift / max abs logit | mean abs drift / mean abs logit | top-1 agree |",
-             "|---|---|---|---|"]
+    head = (f"| random Qwen3.5-9B shape ({layers} layers, vocab {vocab}), {base.shape[0]} positions "
+            "| max abs drift / max abs logit | mean abs drift / mean abs logit | top-1 agree |")
+    lines = [head, "|---|---|---|---|"]
     cases = [(f"weights {label}", convert_encoding(s, grp), "bf16") for label, s, grp in WEIGHTS[1:]]
     cases += [(f"KV {k}", None, k) for k in KV]
     for label, enc, kv in cases:
