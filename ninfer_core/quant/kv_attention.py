@@ -234,7 +234,7 @@ def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table
     assert seq_lens.is_contiguous() and block_table.stride(1) == 1
     kd, vd, ks, vs, kk, vk = _kernel_args(fmt, k, v, k_scale, v_scale)
     w = block_table.shape[1]
-    pps = pages_per_split or decode_split_pages(w)
+    pps = max(pages_per_split or decode_split_pages(w), -(-w // MAX_SPLITS))  # at most MAX_SPLITS splits
     splits = -(-w // pps)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
@@ -249,7 +249,7 @@ def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table
     out = torch.empty_like(q)
     _combine_kernel[(b, h)](o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
-                            SP=triton.next_power_of_2(max(splits, 2)), D=d, num_warps=4)
+                            SP=MAX_SPLITS, D=d, num_warps=4)  # one compile whatever the table width
     return out
 
 
