@@ -39,9 +39,11 @@ of the kernels, the MoE paths, graph replay and the engine's 8-concurrent greedy
 GEMV on, then `ninfer bench` decode b1 and b8 for each shape with NINFER_GEMV=1 and 0 (no prefill,
 transformers or HTTP parts), as far as --budget allows (about 7 minutes for the three shapes).
 
-Quantisation (issue 22): `--order quant --tests --bench` benches the 9B and 27B shapes with bf16,
-int8 and int4 weights (decode b1 against the packed-byte floor, prefill 4096 against bf16) and
-prints the tokens `--kv-capacity auto` fits with bf16 / int8 / k8v4 KV.
+Quantisation (issue 22): `--order quant` (under 5 minutes: --quant-budget 270 s) runs the quantised
+KV attention and dequantising GEMV/GEMM tests on CUDA, then benches the 9B and 27B shapes with bf16,
+int8 and int4 weights (decode b1 against the packed-byte floor, prefill 4096 against bf16, the
+tokens `--kv-capacity auto` fits with bf16 / int8 / k8v4 KV) and the 9B shape's decode with int8
+KV pages after 16k tokens.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main() -> int:
                     help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
     ap.add_argument("--quant-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b"],
                     help="shapes of the quantisation part (--order quant)")
+    ap.add_argument("--quant-budget", type=float, default=270, help="seconds for the quantisation part")
     ap.add_argument("--decode-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"],
                     help="shapes of the decode part (--order decode)")
     ap.add_argument("--decode-kernel-budget", type=float, default=90,
@@ -226,41 +229,72 @@ def main() -> int:
 
 
     def part_quant():
-        """Weight encodings (issue 22): decode b1 of int8/int4 against their packed-byte read floor,
-        prefill against bf16, and the tokens --kv-capacity auto fits in bf16 / int8 / k8v4 KV."""
-        rows = []
-        for shape in a.quant_shapes:
-            base_prefill = None
-            for enc in ("bf16", "int8", "int4"):
-                left = a.budget - (time.monotonic() - t_start)
-                if left < 45:
-                    summary.append(f"== quant {shape} {enc}: skipped, {left:.0f} s left")
-                    continue
-                tag = f"{shape.replace('/', '_')}-{enc}"
-                js = os.path.join(a.out, f"quant-{tag}.json")
-                cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js, "--no-hf",
-                       "--http-clients", "", "--decode-batches", "1", "--prefill-lens", "4096", "--long-context", "0",
-                       "--decode-steps", "48", "--repeats", "2", *(["--quantize", enc] if enc != "bf16" else [])]
-                rc, dt, text = run(cmd, os.path.join(a.out, f"quant-{tag}.log"), left - 10)
-                if rc != 0 or not os.path.exists(js):
-                    summary.append(f"== quant {shape} {enc} rc={rc} in {dt:.0f} s\n{text[-2500:]}")
-                    continue
-                with open(js) as f:
-                    res = json.load(f)
-                d1 = res["decode"].get("1") or res["decode"].get(1)
-                pre = (res.get("prefill") or {}).get("4096") or (res.get("prefill") or {}).get(4096) or {}
-                base_prefill = pre.get("tok_s") if enc == "bf16" else base_prefill
-                kv = res.get("kv_auto_tokens") or {}
-                rows.append(f"{shape:14} {enc:5} decode b1 {d1['total_tok_s']:8.1f} tok/s  floor "
-                            f"{d1['floor_total_tok_s']:8.1f}  x{d1['vs_floor']:.2f}   prefill 4096 "
-                            f"{pre.get('tok_s', 0):8.0f} tok/s  vs bf16 "
-                            f"{(pre.get('tok_s', 0) / base_prefill) if base_prefill else float('nan'):.2f}   "
-                            f"KV auto tokens bf16 {kv.get('bf16', 0):,} int8 {kv.get('int8', 0):,} "
-                            f"(x{kv.get('int8', 0) / max(1, kv.get('bf16', 0)):.2f}) k8v4 {kv.get('k8v4', 0):,}")
-        summary.append("== quantised weights / KV (targets: decode >= 0.8 of floor, prefill >= 0.8 of bf16, "
-                       "int8 9B > 434 tok/s, KV int8 ~2x tokens)")
-        summary.extend(rows)
+        """Issue 22 on the device, within --quant-budget: the quantised-KV attention kernels and the
+        dequantising GEMV/GEMM on CUDA (tests), then `ninfer bench` of each --quant-shapes shape with
+        bf16, int8 and int4 weights (decode b1 against the packed-byte read floor, prefill 4096
+        against bf16, the tokens --kv-capacity auto fits in bf16 / int8 / k8v4 KV from the same
+        free memory), then the first shape's decode with int8 KV pages after a long context."""
+        t0 = time.monotonic()
 
+        def left():
+            return min(a.quant_budget - (time.monotonic() - t0), a.budget - (time.monotonic() - t_start))
+
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                            "tests/test_quant_kv_attention.py", "tests/test_quant.py", "-k", "cuda"],
+                           os.path.join(a.out, "quant-tests.log"), min(75, max(30, left() - 150)))
+        summary.append(f"== quant CUDA tests rc={rc} in {dt:.0f} s")
+        summary.extend(ln for ln in text.splitlines() if ln.startswith("QUANT ") or " passed" in ln or " failed" in ln)
+        if rc != 0:
+            summary.append(text[-3000:])
+        shapes = a.quant_shapes
+        runs = [(sh, enc) for sh in shapes[:1] for enc in ("bf16", "int8")]  # the 9B claims first
+        runs += [(sh, enc) for sh in shapes[1:] for enc in ("bf16", "int8")]
+        runs += [(sh, "int4") for sh in shapes]
+        runs += [(shapes[0], "kv-int8")] if shapes else []
+        rows, base_prefill, res_by = [], {}, {}
+        for i, (shape, enc) in enumerate(runs):
+            budget = left()
+            if budget < 35:
+                summary.append(f"== quant {shape} {enc}: skipped, {budget:.0f} s left")
+                continue
+            tag = f"{shape.replace('/', '_')}-{enc}"
+            js = os.path.join(a.out, f"quant-{tag}.json")
+            cmd = [sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", shape, "--json", js, "--no-hf",
+                   "--http-clients", "", "--decode-batches", "1", "--decode-steps", "32", "--repeats", "1"]
+            if enc == "kv-int8":  # int8 weights and int8 KV pages, decode after 16k tokens of context
+                cmd += ["--quantize", "int8", "--kv-dtype", "int8", "--prefill-lens", "", "--long-context", "16384"]
+            else:
+                cmd += ["--prefill-lens", "4096", "--long-context", "0", *(["--quantize", enc] if enc != "bf16" else [])]
+            # an even share of what is left for the runs still to come, at least 35 s
+            rc, dt, text = run(cmd, os.path.join(a.out, f"quant-{tag}.log"),
+                               max(35, min(budget, budget / (len(runs) - i) * 1.6)))
+            if rc != 0 or not os.path.exists(js):
+                summary.append(f"== quant {shape} {enc} rc={rc} in {dt:.0f} s\n{text[-1500:]}")
+                continue
+            with open(js) as f:
+                res = json.load(f)
+            res_by[(shape, enc)] = res
+            if enc == "kv-int8":
+                d = res.get("decode_long") or {}
+                rows.append(f"{shape:14} int8 weights + int8 KV: decode b1 after {d.get('context', 0):,} tokens "
+                            f"{d.get('total_tok_s', 0):8.1f} tok/s  floor {d.get('floor_total_tok_s', 0):8.1f}  "
+                            f"x{d.get('vs_floor', 0):.2f}  ({dt:.0f} s)")
+                continue
+            d1 = res["decode"].get("1") or res["decode"].get(1)
+            pre = (res.get("prefill") or {}).get("4096") or (res.get("prefill") or {}).get(4096) or {}
+            if enc == "bf16":
+                base_prefill[shape] = pre.get("tok_s")
+            bp = base_prefill.get(shape)
+            kv = res.get("kv_auto_tokens") or {}
+            rows.append(f"{shape:14} {enc:5} decode b1 {d1['total_tok_s']:8.1f} tok/s  floor "
+                        f"{d1['floor_total_tok_s']:8.1f}  x{d1['vs_floor']:.2f}   prefill 4096 "
+                        f"{pre.get('tok_s', 0):8.0f} tok/s  vs bf16 "
+                        f"{(pre.get('tok_s', 0) / bp) if bp else float('nan'):.2f}   "
+                        f"KV auto tokens bf16 {kv.get('bf16', 0):,} int8 {kv.get('int8', 0):,} "
+                        f"(x{kv.get('int8', 0) / max(1, kv.get('bf16', 0)):.2f}) k8v4 {kv.get('k8v4', 0):,}  ({dt:.0f} s)")
+        summary.append(f"== quantised weights / KV in {time.monotonic() - t0:.0f} s (targets: decode >= 0.8 of "
+                       "floor, int8 9B > 434 tok/s, prefill >= 0.8 of bf16, KV int8 ~2x the bf16 tokens)")
+        summary.extend(rows)
 
     def part_vision():
         left = a.budget - (time.monotonic() - t_start)

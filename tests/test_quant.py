@@ -178,3 +178,21 @@ def test_kv_dtypes_are_registered_through_the_hook():
     names = set(host.registry("kv_dtype"))
     assert {"bf16", "int8", "fp8", "k8v4"} <= names
     assert host.resolve("kv_dtype", "k8v4").load() is K8V4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequantising_kernels_on_cuda_at_a_9b_projection_shape():
+    """The GEMV (decode rows) and GEMM (prefill rows) in bf16 on CUDA against the reference
+    (scripts/gpu_check.py --order quant)."""
+    from ninfer_core.quant.kernels import triton_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 4096, generator=g, device="cuda") * 0.02
+    for name in ("int8-g128", "int4-g64", "int4-g128", "fp8_e4m3-row"):
+        qw = QuantizedWeight.from_float(w, parse_encoding(name), dtype=torch.bfloat16)
+        for m in (1, 8, 300):
+            x = torch.randn(m, 4096, generator=g, device="cuda").to(torch.bfloat16)
+            ref = reference_linear(x.float(), qw.to(dtype=torch.float32)).float()
+            err = float((triton_linear(x, qw).float() - ref).abs().max() / ref.abs().max())
+            print(f"QUANT linear {name} m={m} on CUDA: rel err {err:.1e}")
+            assert err < 2e-2, (name, m, err)

@@ -64,6 +64,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "(decode floors count the packed bytes; default: none)")
     p.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="input columns per scale with --quantize (default: 128, fp8 per row)")
+    p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8", "k8v4"), default="bf16",
+                   help="KV page format of the attention layers, as `ninfer serve --kv-dtype` (default: bf16)")
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="plugin to load (entry-point name or dotted module), as for `ninfer serve`")
     from ninfer_core.bench.replay import add_replay_arguments
@@ -430,6 +432,11 @@ def run_bench(a: argparse.Namespace) -> int:
 
         load_opts.quantize = convert_encoding(a.quantize, a.group_size)
         res["quantize"] = load_opts.quantize.name
+    if getattr(a, "kv_dtype", "bf16") != "bf16":
+        from ninfer_core.quant.kv import kv_format
+
+        load_opts.kv_dtype = kv_format(a.kv_dtype)
+        res["kv_dtype"] = a.kv_dtype
     runner = family.load(art, device=str(device), options=load_opts)
     res["kv_auto_tokens"] = kv_auto_tokens(runner, device)
     # forwards of at most the engine's default prefill chunk per lane, as `ninfer serve` runs them (a

@@ -142,10 +142,14 @@ def page_views(fmt: KVFormat, k, v, k_scale, v_scale, dtype):
 
 def write_rows(fmt: KVFormat, k_cache, v_cache, k_scale, v_scale, page_t, row_t, k, v) -> None:
     """Store new tokens' K, V [N, kv_heads, head_dim] at (page, row) in the layer's format."""
+    import torch
+
     for kind, cache, scale, x in ((fmt.k_kind, k_cache, k_scale, k), (fmt.v_kind, v_cache, v_scale, v)):
         if scale is None:
             cache[page_t, row_t] = x.to(cache.dtype)
         else:
             data, s = KVFormat.encode(kind, x)
+            if data.dtype == torch.float8_e4m3fn:  # write the bytes: index_put has no fp8 kernel everywhere
+                cache, data = cache.view(torch.uint8), data.view(torch.uint8)
             cache[page_t, row_t] = data
             scale[page_t, row_t] = s

@@ -58,6 +58,17 @@ class Context:
     # (group, window, block_t) -> the kernel's (tiles, per_lane) on the device; the CUDA-Graph
     # decode fills these from its static buffers before the forward
     kernel_meta: dict = field(default_factory=dict)
+    # --kv-dtype int8|fp8|k8v4: owning layer -> (K, V) scales of its quantised pages (global layers)
+    kv_scale: dict = field(default_factory=dict)
+    kv_format: object = None
+
+    def write_kv(self, layer: int, page, row, k, v) -> None:
+        """New rows of `layer`'s K/V at (page, row), encoded in the layer's --kv-dtype."""
+        from ninfer_core.quant.kv import write_rows
+
+        kc, vc = self.kv[layer]
+        ks, vs = self.kv_scale[layer]
+        write_rows(self.kv_format, kc, vc, ks, vs, page, row, k, v)
 
     def meta_of(self, group: str, window: int, block_t: int, page: int, device):
         key = (group, window, block_t)
@@ -126,8 +137,11 @@ class Attention(nn.Module):
             k = apply_rotary(self.k_norm(raw), cos, sin)
             v = self.v_norm(v)
             page, row = ctx.write_rows[ctx.group_of[self.layer_idx]]
-            k_cache[page, row] = k.to(k_cache.dtype)
-            v_cache[page, row] = v.to(v_cache.dtype)
+            if self.layer_idx in ctx.kv_scale:
+                ctx.write_kv(self.layer_idx, page, row, k, v)
+            else:
+                k_cache[page, row] = k.to(k_cache.dtype)
+                v_cache[page, row] = v.to(v_cache.dtype)
         return self._attend(q, k_cache, v_cache, x, ctx)
 
     def _forward_fused(self, x: torch.Tensor, ctx: Context, cos, sin) -> torch.Tensor:
@@ -140,13 +154,19 @@ class Attention(nn.Module):
             raw = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
             v = raw if self.v_proj is None else self.v_proj(x).view(n, self.kv_heads, self.head_dim)
             page, row = ctx.write_rows[ctx.group_of[self.layer_idx]]
-            norm_rope(raw, self.k_norm.weight, eps, cos, sin, out=k_cache, page=page, row=row)
-            norm_rope(v, None, eps, out=v_cache, page=page, row=row)
+            if self.layer_idx in ctx.kv_scale:  # quantised pages: normed rows, then encoded
+                ctx.write_kv(self.layer_idx, page, row, norm_rope(raw, self.k_norm.weight, eps, cos, sin),
+                             norm_rope(v, None, eps))
+            else:
+                norm_rope(raw, self.k_norm.weight, eps, cos, sin, out=k_cache, page=page, row=row)
+                norm_rope(v, None, eps, out=v_cache, page=page, row=row)
         return self._attend(q, k_cache, v_cache, x, ctx)
 
     def _attend(self, q, k_cache, v_cache, x, ctx: Context) -> torch.Tensor:
         n = x.shape[0]
         group = ctx.group_of[self.source]
+        if self.source in ctx.kv_scale:
+            return self.o_proj(self._attend_quantized(q, k_cache, v_cache, ctx, group).reshape(n, -1).to(x.dtype))
         bidirectional = self.window is not None and any(seg.blocks for seg in ctx.segments)
         if use_triton(q) and _flat(ctx.segments) and not bidirectional:  # the Triton kernel, every lane at once
             window = self.window or 0
@@ -157,6 +177,23 @@ class Attention(nn.Module):
             return self.o_proj(out.reshape(n, -1).to(x.dtype))
         out = torch.cat([self._segment(q, k_cache, v_cache, seg, seg.tables[group], ctx) for seg in ctx.segments])
         return self.o_proj(out.reshape(n, -1).to(x.dtype))
+
+    def _attend_quantized(self, q, k_cache, v_cache, ctx: Context, group: str):
+        """Attention over quantised pages (a global layer: no window, no ring): per lane, the core
+        kernel that dequantises in-kernel on the GPU path, else the reference over dequantised pages."""
+        from ninfer_core.quant import kv_attention as QA
+        from ninfer_core.quant.kv import page_views
+
+        ks, vs = ctx.kv_scale[self.source]
+        if not use_triton(q):
+            kv = page_views(ctx.kv_format, k_cache, v_cache, ks, vs, q.dtype)
+            return torch.cat([self._segment(q, *kv, seg, seg.tables[group], ctx) for seg in ctx.segments])
+        outs = []
+        for seg in ctx.segments:
+            pages = torch.tensor(seg.tables[group], dtype=torch.int32, device=q.device)
+            outs.append(QA.paged_prefill_attention(q[seg.offset: seg.offset + seg.length], ctx.kv_format, k_cache,
+                                                   v_cache, ks, vs, pages, seg.start, 1.0))
+        return torch.cat(outs)
 
     def _segment(self, q, k_cache, v_cache, seg: Segment, table, ctx: Context):
         ps = ctx.page_size

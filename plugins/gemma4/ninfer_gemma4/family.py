@@ -7,6 +7,9 @@ memory-mapped tensors are assigned by name (cast to the run dtype). Both Hugging
 `model.audio_tower.*`, `model.embed_audio.*`) are not loaded by the text model; `--vision` loads
 the vision tower and its embedder through `vision_tower` (ninfer_gemma4.vision). Checkpoints that
 still carry K/V projections for KV-shared layers have them dropped, as transformers does.
+Encoded weights (`ninfer convert --quantize`) are swapped in as QuantizedWeights after the model is
+built, so every projection (attention, MLP, the fused MoE experts) runs through the dequantising
+linear; `--kv-dtype` picks the global layers' page format (runner.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 
 from ninfer_core.accel import resolve_dtype
 from ninfer_core.engine.model_api import ModelFamily
+from ninfer_core.quant.kv import kv_format
+from ninfer_core.quant.transform import apply_load_encodings, assign_encoded, quantize_model, split_encoded
 from ninfer_gemma4.chat import GEMMA4_TEMPLATE
 from ninfer_gemma4.config import Gemma4Config
 from ninfer_gemma4.model import Gemma4TextModel
@@ -40,14 +45,21 @@ class Gemma4Family(ModelFamily):
         with torch.device("meta"):
             model = Gemma4TextModel(cfg)
         state = text_state(artifact, cfg)
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        prefix = _text_prefix(artifact)
+        encoded = split_encoded(artifact, state, lambda n: n.removeprefix(prefix))
+        tied = cfg.tie_word_embeddings or ("lm_head.weight" not in state and "lm_head.weight" not in encoded)
         if tied:
             state.pop("lm_head.weight", None)
-        assign(model, state, run_dtype, dev, skip={"lm_head.weight"} if tied else set())
+        assign(model, state, run_dtype, dev, skip=set(encoded) | ({"lm_head.weight"} if tied else set()))
+        assign_encoded(model, artifact, encoded, run_dtype, dev)
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
+        apply_load_encodings(model, options)  # --lm-head-q4|q6, --embedding-q4|q6
+        if getattr(options, "quantize", None) is not None:  # `ninfer bench --quantize` (random weights)
+            quantize_model(model, options.quantize)
         model.init_rotary(dev)
-        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=_eos_ids(artifact))
+        return Gemma4Runner(model, cfg, dev, run_dtype, eos_token_ids=_eos_ids(artifact),
+                            kv_format=kv_format(getattr(options, "kv_dtype", None)))
 
     # ---- pipeline stages (ninfer_core.engine.pipeline; ninfer_gemma4.stage) ---------------------
     def pipeline_layers(self, artifact) -> int:
@@ -164,13 +176,19 @@ def _eos_ids(artifact) -> tuple[int, ...]:
     return tuple(by_text[e] for e in tok.get("eos_tokens", []) if by_text.get(e) is not None)
 
 
-def text_state(artifact, cfg: Gemma4Config, wanted=None) -> dict[str, torch.Tensor]:
-    """The text model's tensors by their model names; `wanted(name)` (a pipeline stage) picks
-    which are read at all."""
+def _text_prefix(artifact) -> str:
     names = [n for n in artifact.tensor_names() if not n.startswith(MEDIA_PREFIXES)]
     prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in names)), None)
     if prefix is None:
         raise LoadError("no text-model layers found (expected model.language_model.layers.* or model.layers.*)")
+    return prefix
+
+
+def text_state(artifact, cfg: Gemma4Config, wanted=None) -> dict[str, torch.Tensor]:
+    """The text model's tensors by their model names; `wanted(name)` (a pipeline stage) picks
+    which are read at all."""
+    names = [n for n in artifact.tensor_names() if not n.startswith(MEDIA_PREFIXES)]
+    prefix = _text_prefix(artifact)
     state = {}
     for n in names:
         if n.startswith(prefix):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_gemma4.config import Gemma4Config, RopeSpec
 
 
@@ -122,7 +123,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         from ninfer_gemma4.gpu import moe
 
-        if moe.use_triton(x):  # the GPU paths (gpu/moe.py); the loop below is their reference
+        if moe.use_triton(x) and not isinstance(self.gate_up_proj, QuantizedWeight):
+            # the GPU paths (gpu/moe.py, bf16 experts); the loop below is their reference and runs
+            # encoded experts through the dequantising linear
             if index.shape[0] <= DECODE_TOKENS:
                 return moe.experts_decode(x, weights, index, self.gate_up_proj, self.down_proj, self.activation)
             out = moe.experts_grouped(x, weights, index, self.gate_up_proj, self.down_proj, self.activation)

@@ -14,6 +14,9 @@ Cache geometry (KV per layer group):
   So a sliding layer holds window + chunk tokens per lane whatever the context, and no page of the
   pool is ever spent on it (llama.cpp keeps a sliding-window cache of window + ubatch the same way).
 - KV-shared layers add no cache (they read their source layer's pages or ring).
+- `--kv-dtype int8|fp8|k8v4` (ninfer_core.quant.kv) stores the global layers' pool pages quantised,
+  with a per-token, per-KV-head fp32 scale beside them (`kv_scale`); the sliding rings, a fixed
+  window + chunk per lane, stay in the model dtype.
 Segments longer than the ring allows (a caller that did not state its chunk) run as several
 forwards of at most that length. There is no recurrent state: a verify keeps its rows in place and
 `commit` only closes it (rows past the accepted prefix are rewritten before they are read).
@@ -53,9 +56,17 @@ DEFAULT_SEGMENT = 256  # new tokens per forward when the caller states none (Run
 
 class Gemma4Runner(ModelRunner):
     def __init__(self, model: Gemma4TextModel, cfg: Gemma4Config, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), kv_format=None):
+        from ninfer_core.quant.kv import kv_format as _kv_format
+        from ninfer_core.quant.transform import encoded_params
+        from ninfer_core.quant.weight import QuantizedWeight
+
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
+        self.kv_format = _kv_format(kv_format)  # --kv-dtype of the global layers' pages
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kv_scale: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # global layer -> (K, V) scales
+        self._encoded_experts = any(isinstance(getattr(m, "gate_up_proj", None), QuantizedWeight)
+                                    for m in model.modules())
         self.page_size = PAGE_SIZE
         self.num_pages = self.num_slots = 0
         self._uncommitted: dict[int, int] = {}  # slot -> verify length not committed yet
@@ -78,10 +89,11 @@ class Gemma4Runner(ModelRunner):
             max_position=cfg.max_position_embeddings,
             hidden_size=cfg.hidden_size,
             eos_token_ids=tuple(eos_token_ids or cfg.eos_token_ids),
-            n_params=sum(p.numel() for p in model.parameters()),
+            n_params=sum(p.numel() for p in model.parameters()) + encoded_params(model),
             extra={"dtype": str(dtype).removeprefix("torch."), "layer_types": list(cfg.layer_types),
                    "moe": cfg.enable_moe_block, "sliding_window": cfg.sliding_window,
-                   "kv_shared_layers": cfg.num_kv_shared_layers, "per_layer_embeddings": cfg.hidden_size_per_layer_input > 0},
+                   "kv_shared_layers": cfg.num_kv_shared_layers, "per_layer_embeddings": cfg.hidden_size_per_layer_input > 0,
+                   "kv_dtype": self.kv_format.name},
         )
 
     # ---- cache geometry ---------------------------------------------------------------------
@@ -106,7 +118,10 @@ class Gemma4Runner(ModelRunner):
 
     @property
     def graphs_enabled(self) -> bool:
-        return self.cuda_graph and self.device.type == "cuda"
+        # quantised pages (per-lane attention launches) and encoded experts (their per-expert loop
+        # reads the routed ids on the host) decode without CUDA Graphs
+        return (self.cuda_graph and self.device.type == "cuda" and not self.kv_format.quantized
+                and not self._encoded_experts)
 
     def _ring_pages(self, page_size: int) -> int:
         window = self.cfg.sliding_window or 0
@@ -124,7 +139,8 @@ class Gemma4Runner(ModelRunner):
         if layers:
             kvh, hd = cfg.layer_kv_heads(layers[0]), cfg.layer_head_dim(layers[0])
             groups.append(KVGroup(name=GROUP_NAMES[GLOBAL], layers=layers, kv_heads=kvh, head_dim=hd,
-                                  bytes_per_token=2 * len(layers) * kvh * hd * self._elem, page_size=self.page_size))
+                                  bytes_per_token=self.kv_format.bytes_per_token(len(layers), kvh, hd, self._elem),
+                                  page_size=self.page_size))
         ring = self._ring_pages(self.page_size) * self.page_size * self._ring_bytes_per_token()
         return CacheSpec(kv_groups=tuple(groups), state_bytes=ring, state_layers=self._kv_layers(SLIDING))
 
@@ -147,11 +163,18 @@ class Gemma4Runner(ModelRunner):
         # on CUDA one scratch pool page and one scratch ring slot past the engine's (graph capture)
         extra = 1 if self.device.type == "cuda" else 0
         self.scratch_page, self.scratch_slot = (num_pages, num_slots) if extra else (-1, -1)
-        self.kv = {}
+        self.kv, self.kv_scale = {}, {}
+        fmt = self.kv_format
         for kind in (SLIDING, GLOBAL):
             rows = (num_slots + extra) * self.ring_pages if kind == SLIDING else num_pages + extra
             for i in self._kv_layers(kind):
-                shape = (rows, page_size, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+                kvh, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+                if kind == GLOBAL and fmt.quantized:
+                    k, ks = fmt.allocate(fmt.k_kind, rows, page_size, kvh, hd, self.dtype, self.device)
+                    v, vs = fmt.allocate(fmt.v_kind, rows, page_size, kvh, hd, self.dtype, self.device)
+                    self.kv[i], self.kv_scale[i] = (k, v), (ks, vs)
+                    continue
+                shape = (rows, page_size, kvh, hd)
                 self.kv[i] = (torch.zeros(shape, dtype=self.dtype, device=self.device),
                               torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.num_pages, self.num_slots = num_pages, num_slots
@@ -160,7 +183,16 @@ class Gemma4Runner(ModelRunner):
     def kv_page_tensors(self) -> tuple:
         """The global layers' K and V pages (a model suspend copies only the pages in use); the
         sliding rings are state slots, copied whole."""
-        return tuple(t for i in self._kv_layers(GLOBAL) for t in self.kv[i]) if self.kv is not None else ()
+        return tuple(self._page_tensors().values()) if self.kv is not None else ()
+
+    def _page_tensors(self) -> dict:
+        """The pool's per-page tensors by name: "k.3", "v.3", and with a quantised --kv-dtype "ks.3", "vs.3"."""
+        out = {}
+        for i in self._kv_layers(GLOBAL):
+            out[f"k.{i}"], out[f"v.{i}"] = self.kv[i]
+            if i in self.kv_scale:
+                out[f"ks.{i}"], out[f"vs.{i}"] = self.kv_scale[i]
+        return out
 
     @property
     def _pool_groups(self) -> tuple[str, ...]:
@@ -203,10 +235,8 @@ class Gemma4Runner(ModelRunner):
         for i in (src, dst):
             if not 0 <= i < self.num_pages:
                 raise ValueError(f"page id {i} outside the pool of {self.num_pages} pages")
-        for i in self._kv_layers(GLOBAL):
-            k, v = self.kv[i]
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        for t in self._page_tensors().values():
+            t[dst].copy_(t[src])
 
     def capture_state(self, slot: int) -> StateImage:
         self._check_slot(slot)
@@ -234,25 +264,27 @@ class Gemma4Runner(ModelRunner):
 
     def read_pages(self, pages):
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        out = {}
-        for i in self._kv_layers(GLOBAL):
-            k, v = self.kv[i]
-            out[f"k.{i}"] = k.index_select(0, idx).to("cpu", copy=True)
-            out[f"v.{i}"] = v.index_select(0, idx).to("cpu", copy=True)
-        return out
+        return {name: _bytes(t).index_select(0, idx).to("cpu", copy=True).view(t.dtype)
+                for name, t in self._page_tensors().items()}
 
     def write_pages(self, pages, data) -> None:
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        layers = self._kv_layers(GLOBAL)
-        if set(data) != {f"{kv}.{i}" for i in layers for kv in "kv"}:
+        tensors = self._page_tensors()
+        name = self.kv_format.name
+        if set(data) != set(tensors):
+            if any(n.startswith(("ks.", "vs.")) for n in data) != self.kv_format.quantized:
+                raise ValueError(f"KV data was stored with another --kv-dtype than this cache's {name}")
             raise ValueError("KV data does not fit this model's pages (another model)")
-        for i in layers:
-            k, v = self.kv[i]
-            for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
-                src = data[name]
-                if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
-                    raise ValueError(f"KV data does not fit this model's pages ({name})")
-                dst.index_copy_(0, idx, src.to(dst.device, dst.dtype))
+        for key, dst in tensors.items():
+            src = data[key]
+            if src.dtype != dst.dtype and (self.kv_format.quantized or not src.dtype.is_floating_point):
+                raise ValueError(f"KV data stored as {str(src.dtype).removeprefix('torch.')} does not fit this "
+                                 f"cache's --kv-dtype {name} pages ({key})")
+            if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.shape[0] != len(idx):
+                raise ValueError(f"KV data does not fit this model's pages ({key})")
+        for key, dst in tensors.items():
+            src = data[key].to(dst.device, dst.dtype)
+            _bytes(dst).index_copy_(0, idx, _bytes(src))
 
     # ---- forwards ---------------------------------------------------------------------------
     def _check(self, batch: ForwardBatch) -> None:
@@ -334,7 +366,8 @@ class Gemma4Runner(ModelRunner):
             off += len(s.tokens)
         ps = self.page_size
         default = torch.cat([torch.arange(s.start, s.start + s.length, dtype=torch.int64) for s in segs])
-        ctx = Context(segs, self._positions(segments, default).to(self.device), ps, self.kv, self.group_of)
+        ctx = Context(segs, self._positions(segments, default).to(self.device), ps, self.kv, self.group_of,
+                      kv_scale=self.kv_scale, kv_format=self.kv_format)
         if self.ring_pages:
             ctx.wrap[RING] = self.ring_pages
         rows = (default % ps).to(self.device)
@@ -421,6 +454,11 @@ class Gemma4Runner(ModelRunner):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 pages as their bytes (index_select / index_copy_ have no fp8 kernels)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _side_slice(side, lo: int, hi: int):

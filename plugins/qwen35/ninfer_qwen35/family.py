@@ -82,13 +82,10 @@ class Qwen35Family(ModelFamily):
             eos = eos_token_ids(tok)
         kv = kv_format(getattr(options, "kv_dtype", None))
         extra = dict(kv_format=kv, gdn_state_fp16=bool(getattr(options, "gdn_state_fp16", False)))
-        if dev.type == "cuda" and not kv.quantized:  # the fast path: fused projections, Triton/fla kernels, graphs
+        if dev.type == "cuda":  # the fast path: fused projections, Triton/fla kernels, graphs (any --kv-dtype)
             from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
             return GpuQwen35Runner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
-        if dev.type == "cuda":
-            log.warning("--kv-dtype %s: the CUDA attention kernels read bf16 pages only; this model runs the "
-                        "reference path on the device (slow)", kv.name)
         return HybridRunner(model, cfg, dev, run_dtype, mtp=mtp, eos_token_ids=eos, **extra)
 
     # ---- pipeline stages (ninfer_core.engine.pipeline; model_api's StageRunner contract) ---------

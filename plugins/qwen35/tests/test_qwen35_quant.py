@@ -108,3 +108,24 @@ def test_load_time_head_and_embedding_encodings(tmp_path):
     assert isinstance(r.model.lm_head.weight, QuantizedWeight) and r.model.lm_head.weight.enc.name == "q6-g32"
     assert isinstance(r.model.embed_tokens.weight, QuantizedWeight) and r.model.embed_tokens.weight.enc.scheme == "q4"
     assert 0 < float((got - base).abs().max() / base.abs().max()) < 1.0
+
+
+def test_bench_runs_with_quantised_weights_and_kv(tmp_path):
+    """`ninfer bench --quantize int8 --kv-dtype int8` (gpu_check --order quant's long-context run), on
+    the CPU: the JSON names both and the long decode ran over the int8 pages."""
+    import json
+
+    src = build_tiny_artifact(str(tmp_path / "src.ninfer"), hidden=128)
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "ninfer_core.cli", "bench", "--shape", src, "--device", "cpu",
+                        "--quantize", "int8", "--kv-dtype", "int8", "--prefill-lens", "", "--decode-batches", "1",
+                        "--decode-steps", "2", "--decode-prompt", "16", "--long-context", "80", "--long-chunk", "64",
+                        "--repeats", "1", "--no-hf", "--http-clients", "", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["kv_dtype"] == "int8" and res["quantize"] == "int8-g128"
+    assert res["decode_long"]["total_tok_s"] > 0 and res["decode_long"]["context"] >= 80
+    bad = subprocess.run([sys.executable, "-m", "ninfer_core.cli", "bench", "--kv-dtype", "nvfp4"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--kv-dtype" in bad.stderr

@@ -205,7 +205,7 @@ def evaluate(artifact: str, base_url: str | None = None, per_kind: int = 50, see
         scores = server_scores(base_url, samples, max_tokens)
     finally:
         if proc is not None:
-            proc.send_signal(2)
+            proc.terminate()  # SIGTERM stops at once; a single SIGINT waits for a confirming second one
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:

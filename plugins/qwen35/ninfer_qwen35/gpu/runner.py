@@ -38,6 +38,7 @@ from ninfer_core.engine.model_api import (
     RunnerOptions,
     SegmentOutput,
 )
+from ninfer_core.quant import kv_attention as QA
 from ninfer_core.quant.weight import QuantizedWeight
 from ninfer_core.nn.context import Segment
 from ninfer_core.accel import kernels as K
@@ -122,7 +123,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     def from_runner(cls, r: Qwen35Runner, cuda_graph: bool = True) -> "GpuQwen35Runner":
         """The fast path over an already loaded reference runner's model (weights are fused in place)."""
         return cls(r.model, r.cfg, r.device, r.dtype, mtp=r.mtp, eos_token_ids=r.info.eos_token_ids,
-                   cuda_graph=cuda_graph)
+                   cuda_graph=cuda_graph, kv_format=r.kv_format)
 
     # ---- options --------------------------------------------------------------------------------
     def configure(self, options: RunnerOptions | None = None, cuda_graph: bool | None = None) -> None:
@@ -534,6 +535,12 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     def _attn_decode(self, i, mod, h, cos, sin, table, lens, wpage, wrow):
         """qkv GEMV; q/k norm + RoPE writing the new K/V rows into the paged cache (one launch);
         split decode + a combine that applies sigmoid(gate) (two launches); o_proj."""
+        if i in self.cache.kv_scale:  # --kv-dtype int8|fp8|k8v4: rows encoded, pages dequantised in-kernel
+            q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
+            self.cache.write_kv(i, wpage, wrow, k, v)
+            o = QA.paged_decode_attention(q, self.kv_format, *self.cache.kv[i], *self.cache.kv_scale[i], table, lens,
+                                          mod.scale)
+            return mod.finish(o, gate)
         if not self.decode_fusion:
             q, gate, k, v = self._attn_project(i, mod, h, cos, sin)
             kc, vc = self.cache.kv[i]
@@ -608,6 +615,11 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             if layer.layer_type == "linear_attention":
                 return self._gdn_prefill(i, layer.linear_attn, h, seg.slot, snap)
             q, gate, k, v = self._attn_project(i, layer.self_attn, h, cos, sin)
+            if i in cache.kv_scale:  # quantised --kv-dtype pages
+                cache.write_kv(i, wpage, wrow, k, v)
+                o = QA.paged_prefill_attention(q, self.kv_format, *cache.kv[i], *cache.kv_scale[i], pages, seg.start,
+                                               layer.self_attn.scale)
+                return layer.self_attn.finish(o, gate)
             kc, vc = cache.kv[i]
             kc[wpage, wrow] = k.to(kc.dtype)
             vc[wpage, wrow] = v.to(vc.dtype)

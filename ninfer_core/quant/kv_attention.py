@@ -1,0 +1,275 @@
+"""Paged attention over quantised KV pages (`--kv-dtype int8 | fp8 | k8v4`), dequantised in-kernel.
+
+The pages are `ninfer_core.quant.kv`'s layout: data [P, page, kv_heads, D] int8 / float8_e4m3fn, or
+[P, page, kv_heads, D / 2] uint8 (int4, two per byte, low nibble = even column, value + 8), and one
+fp32 scale per token and KV head [P, page, kv_heads]. A side stored in the model dtype (no scale)
+is read as it is, so one kernel serves every KVFormat.
+
+- `paged_decode_attention`: one query per lane over that lane's pages (lanes of different lengths),
+  GQA by packing a KV head's query heads into one tile, split over pages (flash-decoding) and
+  combined by log-sum-exp. Launch shapes depend only on B and the table width (CUDA-graph safe).
+- `paged_prefill_attention`: a chunk of T queries of one sequence at positions start.. over its
+  cached prefix and itself (its own rows written first), causal.
+
+(The interpreter computes the dots in fp32: its bf16 casts of computed tiles are not exact.)
+Each K/V tile is loaded as stored (1 byte, or half a byte, per value), scaled by its rows' scales
+in fp32 registers and cast to the query dtype for `tl.dot`: the bytes read are the packed ones.
+The torch references dequantise the gathered pages (`KVFormat.decode`) and run fp32 softmax
+attention; the kernels run on CUDA or under TRITON_INTERPRET=1 (tests), else the references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_core.accel import use_triton
+from ninfer_core.quant.kv import KVFormat
+
+try:  # triton is optional: the CPU reference path never needs it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = tl = None
+    HAVE_TRITON = False
+
+KIND_IDS = {"model": 0, "int8": 1, "fp8": 2, "int4": 3}
+MAX_SPLITS = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# torch references
+# ------------------------------------------------------------------------------------------------
+def _gather(kind: str, data, scale, idx, kvh: int, d: int):
+    """fp32 rows [n_pages * page, kvh, d] of pages `idx`."""
+    if scale is None:
+        return data[idx].reshape(-1, kvh, d).float()
+    return KVFormat.decode(kind, data[idx], scale[idx], torch.float32).reshape(-1, kvh, d)
+
+
+def ref_paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table, seq_lens, scale):
+    """q [B, H, D]; pages as the module doc says; block_table [B, W]; seq_lens [B] (keys per lane,
+    the new token included). Returns [B, H, D] in q's dtype."""
+    b, h, d = q.shape
+    page, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    out = torch.empty_like(q)
+    for i in range(b):
+        n = int(seq_lens[i])
+        idx = block_table[i, : -(-n // page)].long()
+        kk = _gather(fmt.k_kind, k, k_scale, idx, kvh, d)[:n]
+        vv = _gather(fmt.v_kind, v, v_scale, idx, kvh, d)[:n]
+        s = torch.einsum("kgd,nkd->kgn", q[i].float().reshape(kvh, g, d), kk) * scale
+        out[i] = torch.einsum("kgn,nkd->kgd", torch.softmax(s, -1), vv).reshape(h, d).to(q.dtype)
+    return out
+
+
+def ref_paged_prefill_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, pages, start: int, scale):
+    """q [T, H, D] at positions start..start+T-1 over keys 0..start+T-1 (all in the pages), causal."""
+    t, h, d = q.shape
+    page, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    total = start + t
+    idx = pages[: -(-total // page)].long()
+    kk = _gather(fmt.k_kind, k, k_scale, idx, kvh, d)[:total]
+    vv = _gather(fmt.v_kind, v, v_scale, idx, kvh, d)[:total]
+    s = torch.einsum("tkgd,nkd->kgtn", q.float().reshape(t, kvh, g, d), kk) * scale
+    qpos = torch.arange(start, total, device=q.device)
+    kpos = torch.arange(total, device=q.device)
+    s = s.masked_fill(~(kpos[None, :] <= qpos[:, None]), float("-inf"))
+    o = torch.einsum("kgtn,nkd->tkgd", torch.softmax(s, -1), vv)
+    return o.reshape(t, h, d).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_tile(X, XS, page, offs_r, kvh, offs_d, s_p, s_r, s_h, ss_p, ss_r, ss_h, KIND: tl.constexpr):
+        """fp32 rows [PAGE, D] of one page and KV head, dequantised (KIND: see KIND_IDS)."""
+        base = X + page * s_p + offs_r[:, None] * s_r + kvh * s_h
+        if KIND == 0:
+            return tl.load(base + offs_d[None, :]).to(tl.float32)
+        if KIND == 3:
+            b = tl.load(base + offs_d[None, :] // 2).to(tl.int32)
+            x = (((b >> ((offs_d[None, :] % 2) * 4)) & 15) - 8).to(tl.float32)
+        elif KIND == 2:
+            x = tl.load(base + offs_d[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            x = tl.load(base + offs_d[None, :]).to(tl.float32)
+        s = tl.load(XS + page * ss_p + offs_r * ss_r + kvh * ss_h)
+        return x * s[:, None]
+
+    @triton.jit
+    def _qdecode_kernel(
+        Q, K, V, KS, VS, BT, LENS, O_PART, LSE_PART, scale,
+        s_qb, s_qh, s_kp, s_kr, s_kh, s_vp, s_vr, s_vh, s_sp, s_sr, s_sh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPS: tl.constexpr,
+        KK: tl.constexpr, VK: tl.constexpr, F32: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq_len = tl.load(LENS + b)
+        n_pages = (seq_len + PAGE - 1) // PAGE
+        p0 = sp * PPS
+        p1 = tl.minimum(p0 + PPS, n_pages)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, PAGE)
+        gmask = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        if F32:
+            q = q.to(tl.float32)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for p in range(p0, p1):
+            page = tl.load(BT + b * s_bt + p).to(tl.int64)
+            k = _load_tile(K, KS, page, offs_r, kvh, offs_d, s_kp, s_kr, s_kh, s_sp, s_sr, s_sh, KK)
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            pos = p * PAGE + offs_r
+            s = tl.where(pos[None, :] < seq_len, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(pr, 1)
+            v = _load_tile(V, VS, page, offs_r, kvh, offs_d, s_vp, s_vr, s_vh, s_sp, s_sr, s_sh, VK).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v)
+            m = m_new
+        l_safe = tl.where(l > 0, l, 1.0)
+        lse = tl.where(p1 > p0, m + tl.log(l_safe), float("-inf"))
+        tl.store(O_PART + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_d[None, :], acc / l_safe[:, None],
+                 mask=gmask[:, None])
+        tl.store(LSE_PART + b * s_lb + heads * s_lh + sp, lse, mask=gmask)
+
+    @triton.jit(do_not_specialize=["S"])
+    def _combine_kernel(O_PART, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_qb, s_qh, S,
+                        SP: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SP)
+        offs_d = tl.arange(0, D)
+        smask = offs_s < S
+        lse = tl.load(LSE + b * s_lb + h * s_lh + offs_s, mask=smask, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))  # empty splits: exp(-inf) = 0
+        part = tl.load(O_PART + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :],
+                       mask=smask[:, None], other=0.0)
+        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * s_qb + h * s_qh + offs_d, out.to(OUT.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["start", "T"])
+    def _qprefill_kernel(
+        Q, K, V, KS, VS, BT, O, start, T, scale,
+        s_qt, s_qh, s_kp, s_kr, s_kh, s_vp, s_vr, s_vh, s_sp, s_sr, s_sh, s_ot, s_oh,
+        G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
+        KK: tl.constexpr, VK: tl.constexpr, F32: tl.constexpr,
+    ):
+        mb = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // G
+        offs_m = mb * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, PAGE)
+        mmask = offs_m < T
+        qpos = start + offs_m
+        q = tl.load(Q + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        if F32:
+            q = q.to(tl.float32)
+        last = tl.minimum(start + (mb + 1) * BM, start + T) - 1
+        m = tl.full([BM], float("-inf"), tl.float32)
+        l = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        for p in range(last // PAGE + 1):
+            page = tl.load(BT + p).to(tl.int64)
+            k = _load_tile(K, KS, page, offs_r, kvh, offs_d, s_kp, s_kr, s_kh, s_sp, s_sr, s_sh, KK)
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            kpos = p * PAGE + offs_r
+            s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows past T see no key
+            alpha = tl.exp(m - m_safe)
+            pr = tl.exp(s - m_safe[:, None])
+            l = l * alpha + tl.sum(pr, 1)
+            v = _load_tile(V, VS, page, offs_r, kvh, offs_d, s_vp, s_vr, s_vh, s_sp, s_sr, s_sh, VK).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v)
+            m = m_new
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(O + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mmask[:, None])
+
+
+def _kernel_args(fmt: KVFormat, k, v, k_scale, v_scale):
+    """(K, V, KS, VS, KK, VK): byte views of fp8 pages and a dummy scale for an unscaled side."""
+    k = k.view(torch.uint8) if k.dtype == torch.float8_e4m3fn else k
+    v = v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
+    some = k_scale if k_scale is not None else v_scale
+    if some is None:
+        raise ValueError("quantised paged attention over pages without scales (use the bf16 kernels)")
+    ks = k_scale if k_scale is not None else some
+    vs = v_scale if v_scale is not None else some
+    if ks.stride() != vs.stride():
+        raise ValueError("K and V scales of one layer must share a layout")
+    return k, v, ks, vs, KIND_IDS[fmt.k_kind], KIND_IDS[fmt.v_kind]
+
+
+def decode_split_pages(table_width: int) -> int:
+    """Pages per split: at most MAX_SPLITS splits over a block-table row."""
+    return max(4, -(-table_width // MAX_SPLITS))
+
+
+def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table, seq_lens, scale,
+                           pages_per_split: int | None = None):
+    """See ref_paged_decode_attention. block_table int32 [B, W], seq_lens int32 [B] on q's device."""
+    if not use_triton(q):
+        return ref_paged_decode_attention(q, fmt, k, v, k_scale, v_scale, block_table, seq_lens, scale)
+    b, h, d = q.shape
+    page, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    q = q.contiguous()
+    assert seq_lens.is_contiguous() and block_table.stride(1) == 1
+    kd, vd, ks, vs, kk, vk = _kernel_args(fmt, k, v, k_scale, v_scale)
+    w = block_table.shape[1]
+    pps = max(pages_per_split or decode_split_pages(w), -(-w // MAX_SPLITS))  # at most MAX_SPLITS splits
+    splits = -(-w // pps)
+    o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+    _qdecode_kernel[(b, kvh, splits)](
+        q, kd, vd, ks, vs, block_table, seq_lens, o_part, lse, scale,
+        q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kd.stride(2), vd.stride(0), vd.stride(1), vd.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps, KK=kk, VK=vk, F32=not q.is_cuda,
+        num_warps=4,
+    )
+    out = torch.empty_like(q)
+    _combine_kernel[(b, h)](o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
+                            SP=MAX_SPLITS, D=d, num_warps=4)  # one compile whatever the table width
+    return out
+
+
+def paged_prefill_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, pages, start: int, scale,
+                            block_m: int | None = None):
+    """See ref_paged_prefill_attention. pages: int32 tensor of the sequence's page ids."""
+    if not use_triton(q):
+        return ref_paged_prefill_attention(q, fmt, k, v, k_scale, v_scale, pages, start, scale)
+    t, h, d = q.shape
+    kvh = k.shape[2]
+    q = q.contiguous()
+    assert pages.is_contiguous()
+    kd, vd, ks, vs, kk, vk = _kernel_args(fmt, k, v, k_scale, v_scale)
+    bm = block_m or (16 if not q.is_cuda else 64)
+    out = torch.empty_like(q)
+    _qprefill_kernel[(triton.cdiv(t, bm), h)](
+        q, kd, vd, ks, vs, pages, out, start, t, scale,
+        q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kd.stride(2), vd.stride(0), vd.stride(1), vd.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), out.stride(0), out.stride(1),
+        G=h // kvh, D=d, PAGE=k.shape[1], BM=bm, KK=kk, VK=vk, F32=not q.is_cuda,
+        num_warps=8 if q.is_cuda else 1, num_stages=2 if q.is_cuda else 1,
+    )
+    return out
