@@ -115,7 +115,8 @@ def split_encoded(artifact, state: dict, rename=lambda n: n) -> dict:
 
     `rename(artifact_name) -> param name` maps names as the loader did. Returns {param name:
     artifact name} for `assign_encoded`."""
-    table = artifact.manifest["tensors"]
+    # an in-memory source without a tensor table (the bench's random artifacts) holds no encodings
+    table = (getattr(artifact, "manifest", None) or {}).get("tensors") or {}
     found = {}
     for art_name, info in table.items():
         if info.get("scale_of"):
