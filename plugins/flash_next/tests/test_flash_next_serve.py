@@ -118,6 +118,7 @@ def test_bad_option_value_stops_startup(converted, launch, tmp_path):
 
 def test_spec_mtp_keeps_greedy_output(mtp_artifact_path, launch, tmp_path):
     """The artifact's MTP block drafts through --spec mtp; verification keeps the greedy output."""
+    pytest.importorskip("ninfer_spec_mtp")  # --spec mtp is that package's backend (CI tests this one alone too)
     prompts = ["The quick brown fox", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
     plain = launch(mtp_artifact_path, *plugin_flags(), *FLAGS, log_dir=tmp_path)
     try:
