@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ninfer_core.accel import kernels as K
 from ninfer_core.accel import use_triton
 from ninfer_core.quant.kv import KVFormat
 
@@ -35,7 +36,7 @@ except Exception:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
 KIND_IDS = {"model": 0, "int8": 1, "fp8": 2, "int4": 3}
-MAX_SPLITS = 64
+MAX_SPLITS = K.COMBINE_MAX_SPLITS  # the shared split combine's bound
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,21 +148,6 @@ if HAVE_TRITON:
                  mask=gmask[:, None])
         tl.store(LSE_PART + b * s_lb + heads * s_lh + sp, lse, mask=gmask)
 
-    @triton.jit(do_not_specialize=["S"])
-    def _combine_kernel(O_PART, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_qb, s_qh, S,
-                        SP: tl.constexpr, D: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_s = tl.arange(0, SP)
-        offs_d = tl.arange(0, D)
-        smask = offs_s < S
-        lse = tl.load(LSE + b * s_lb + h * s_lh + offs_s, mask=smask, other=float("-inf"))
-        w = tl.exp(lse - tl.max(lse, 0))  # empty splits: exp(-inf) = 0
-        part = tl.load(O_PART + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :],
-                       mask=smask[:, None], other=0.0)
-        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(OUT + b * s_qb + h * s_qh + offs_d, out.to(OUT.dtype.element_ty))
-
     @triton.jit(do_not_specialize=["start", "T"])
     def _qprefill_kernel(
         Q, K, V, KS, VS, BT, O, start, T, scale,
@@ -247,9 +233,10 @@ def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table
         num_warps=4,
     )
     out = torch.empty_like(q)
-    _combine_kernel[(b, h)](o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
-                            SP=MAX_SPLITS, D=d, num_warps=4)  # one compile whatever the table width
+    # the bf16 path's split combine (the partials are fp32 whatever the KV format)
+    K._decode_combine_kernel[(b, h)](o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                                     lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
+                                     H=h, SP=K.COMBINE_MAX_SPLITS, D=d, num_warps=4)
     return out
 
 
