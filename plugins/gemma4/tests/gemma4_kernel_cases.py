@@ -544,3 +544,17 @@ def step_runner_interpret():
     # chunk and the two decode steps
     assert calls["forward"] == 8 and calls["experts"] > 0, calls
     print(f"gemma4 runner with the fused forward: worst max relative logits error {worst:.2e} ({calls})")
+
+
+def launch_counts():
+    """Launches of one decode step (the CUDA-Graph body) counted under the interpreter at the real
+    layer pattern cut to one period: the fused forward at most 13 per MoE layer and 9 per dense
+    layer (+6 for the embedding, RoPE tables and head), under half of the module-by-module path."""
+    from ninfer_gemma4.gpu.launches import render, step_counts
+
+    for kind, per_layer in (("26b-a4b", 13), ("31b", 9)):
+        res = step_counts(kind, 6, "cpu")
+        print(render(res))
+        assert res["fused"] <= per_layer * res["layers"] + 6, res["fused_top"]
+        assert 2 * res["fused"] <= res["modules"], (res["fused"], res["modules"])
+    print("gemma4 decode step launch counts: ok")
