@@ -482,12 +482,11 @@ def step_runner_interpret():
     from ninfer_gemma4 import attention, layers
     from ninfer_gemma4.family import Gemma4Family
     from ninfer_gemma4.gpu import step
+    from ninfer_gemma4.gpu import step_kernels as K
     from ninfer_gemma4.testing import build_tiny_artifact
 
     from ninfer_core.artifact import Artifact
     from ninfer_core.engine.model_api import DECODE, LOGITS_ALL, ForwardBatch, LaneSegment, RunnerOptions
-
-    from ninfer_gemma4.gpu import step_kernels as K
 
     attention.use_triton = lambda t: False
     kernels = layers._use_kernels

@@ -153,7 +153,7 @@ def step_counts(kind: str, num_layers: int | None = None, device: str = "cpu", b
             if dev.type == "cuda":
                 with torch.inference_mode():
                     n, names = cuda_kernels(decode)
-                res[mode], res[f"{mode}_top"] = int(round(n)), sorted(names.items(), key=lambda kv: -kv[1])[:12]
+                res[mode], res[f"{mode}_top"] = round(n), sorted(names.items(), key=lambda kv: -kv[1])[:12]
             else:
                 with torch.inference_mode():
                     decode()

@@ -45,7 +45,9 @@ def enabled() -> bool:
 
 
 def _plain(w) -> bool:
-    return isinstance(w, torch.Tensor) and type(w) in (torch.Tensor, torch.nn.Parameter)
+    """A weight the fused forward reads as it is: a plain tensor (not encoded), loaded (a pipeline
+    stage leaves other stages' layers on the meta device: it declines then)."""
+    return isinstance(w, torch.Tensor) and type(w) in (torch.Tensor, torch.nn.Parameter) and not w.is_meta
 
 
 def _fuse(linears) -> torch.Tensor:
@@ -175,7 +177,7 @@ def grouped_sorted(x, index, gate_up, down):
     gmm = getattr(torch, "_grouped_mm", None)
     if gmm is None or not x.is_cuda or (x.device.type, x.dtype) in moe._REFUSED:
         return None
-    t, k = index.shape
+    k = index.shape[1]
     flat = index.reshape(-1)
     ids, order = torch.sort(flat, stable=True)
     offs = torch.searchsorted(ids, torch.arange(gate_up.shape[0], device=x.device, dtype=ids.dtype), right=True,
