@@ -12,9 +12,13 @@ Vision (issue 20): `--order vision --tests --bench` runs scripts/vision_bench.py
 and the Gemma 4 31B tower shapes, the device memory each holds and reserves, the overlay's window
 borrowed from free KV pages, bf16 against transformers' fp32) and the towers' parity tests.
 
-Gemma 4 (issue 16): `--order gemma4 --bench` runs plugins/gemma4's CUDA checks (the Triton
-sliding-window attention in bf16 at the real head geometry; the runner in bf16 against
-transformers at the 31B and 26B-A4B widths, within 1e-2).
+Gemma 4 (issue 16): `--order gemma4 --bench` (about 5 minutes, --gemma4-budget) benches the
+26B-A4B and 31B shapes with the fused forward on and off (NINFER_GEMMA4_FUSE=1/0; decode b1 and
+b8 against the read floor, prefill 4096 against matmul-only, the eager decode step's device
+kernels from `--profile`), prints the launches of one decode step (ninfer_gemma4.gpu.launches,
+6 layers at real widths), then runs plugins/gemma4's CUDA checks under their own timeout (the
+Triton attention at the real head geometry; the runner in bf16 against transformers at the real
+widths, one 6-layer period; graph vs eager decode and the fused forward vs the module path).
 
 DFlash (issue 24): `--order dflash` benches ninfer-tiny's trained MTP, DFlash and DFlash2 drafters
 side by side (acceptance length and tok/s at K = 7 and 15, batch 1 and 8), then the 27B shape's
@@ -82,9 +86,13 @@ def main() -> int:
     ap.add_argument("--replay", nargs="*", default=[], help="shapes for the context-cache replay (none: skip)")
     ap.add_argument("--replay-args", default="--turns 2 --system-tokens 28000 --reply-tokens 16 --profile-replay",
                     help="extra arguments for every replay run")
-    ap.add_argument("--gemma4-tests", nargs="*", default=["plugins/gemma4/tests/test_gemma4_gpu.py",
-                                                          "plugins/gemma4/tests/test_gemma4_serve.py"],
-                    help="pytest paths of the Gemma 4 part (--order ...,gemma4)")
+    ap.add_argument("--gemma4-tests", nargs="*", default=["plugins/gemma4/tests/test_gemma4_gpu.py"],
+                    help="pytest paths of the Gemma 4 part (--order ...,gemma4; add "
+                    "plugins/gemma4/tests/test_gemma4_serve.py for the serve tests on the GPU path)")
+    ap.add_argument("--gemma4-shapes", nargs="*", default=["gemma4-26b-a4b", "gemma4-31b"],
+                    help="shapes the Gemma 4 part benches with the fused forward on and off")
+    ap.add_argument("--gemma4-budget", type=float, default=300, help="seconds for the Gemma 4 part")
+    ap.add_argument("--gemma4-tests-timeout", type=float, default=150, help="seconds at most for its tests")
     ap.add_argument("--quant-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b"],
                     help="shapes of the quantisation part (--order quant)")
     ap.add_argument("--quant-budget", type=float, default=270, help="seconds for the quantisation part")
@@ -169,9 +177,52 @@ def main() -> int:
             summary.append(text[start:].strip() if start >= 0 else text[-3000:])
 
     def part_gemma4():
-        left = a.budget - (time.monotonic() - t_start)
+        """Issue 16: bench with the fused forward on/off, launch counts, then the CUDA checks."""
+        t0 = time.monotonic()
+
+        def left():
+            return min(a.gemma4_budget - (time.monotonic() - t0), a.budget - (time.monotonic() - t_start))
+
+        rows = []
+        runs = [(sh, fuse) for sh in a.gemma4_shapes for fuse in ("1", "0")]
+        for i, (shape, fuse) in enumerate(runs):
+            budget = left() - 60  # keep a minute for the counts and tests
+            if budget < 30:
+                rows.append(f"{shape:16} FUSE={fuse}: skipped, {left():.0f} s left")
+                continue
+            tag = f"{shape.replace('/', '_')}-fuse{fuse}"
+            js = os.path.join(a.out, f"gemma4-bench-{tag}.json")
+            cmd = ["env", f"NINFER_GEMMA4_FUSE={fuse}", sys.executable, "-m", "ninfer_core.cli", "bench", "--shape",
+                   shape, "--json", js, "--no-hf", "--http-clients=", "--prefill-lens", "4096", "--long-context", "0",
+                   "--decode-batches", "1,8", "--decode-steps", "32", "--repeats", "1", "--profile"]
+            rc, dt, text = run(cmd, os.path.join(a.out, f"gemma4-bench-{tag}.log"),
+                               max(30, min(budget, budget / (len(runs) - i) * 1.5)))
+            if rc != 0 or not os.path.exists(js):
+                rows.append(f"{shape:16} FUSE={fuse}: rc={rc} in {dt:.0f} s\n{text[-1500:]}")
+                continue
+            with open(js) as f:
+                res = json.load(f)
+            dec, pre = res.get("decode") or {}, (res.get("prefill") or {}).get("4096") or {}
+            d1, d8 = dec.get("1") or {}, dec.get("8") or {}
+            prof = (res.get("profile") or {}).get("decode_b1") or {}
+            rows.append(f"{shape:16} FUSE={fuse}  b1 {d1.get('total_tok_s', 0):7.1f} tok/s x{d1.get('vs_floor', 0):.2f} "
+                        f"of floor {d1.get('floor_total_tok_s', 0):7.1f}   b8 {d8.get('total_tok_s', 0):7.1f} "
+                        f"x{d8.get('vs_floor', 0):.2f}   prefill 4096 {pre.get('tok_s', 0):8.0f} tok/s "
+                        f"x{pre.get('vs_matmul', 0):.2f}   eager step "
+                        f"{prof.get('total_ms', 0):.2f} ms, {prof.get('kernels_per_call', 0):.0f} kernels  ({dt:.0f} s)")
+        summary.append("== Gemma 4 bench, fused forward on (1) / off (0); targets decode b1 >= 0.8 of the floor, "
+                       "prefill 4096 >= 0.6 of matmul-only")
+        summary.extend(rows)
+        if left() > 45:
+            rc, dt, text = run([sys.executable, "-m", "ninfer_gemma4.gpu.launches", "--device", "cuda", "--layers", "6",
+                                "--kinds", "26b-a4b,31b", "--top"], os.path.join(a.out, "gemma4-launches.log"),
+                               min(90, left() - 30))
+            summary.append(f"== Gemma 4 decode-step launches (6 layers at real widths) rc={rc} in {dt:.0f} s")
+            summary.extend(ln for ln in text.splitlines() if ln.startswith(("gemma4 ", "  ")))
+            if rc != 0:
+                summary.append(text[-2000:])
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *a.gemma4_tests],
-                           os.path.join(a.out, "gemma4.log"), max(60, left - 30))
+                           os.path.join(a.out, "gemma4.log"), max(60, min(a.gemma4_tests_timeout, left())))
         summary.append(f"== Gemma 4 GPU checks rc={rc} in {dt:.0f} s")
         summary.extend(ln for ln in text.splitlines() if ln.startswith("PARITY") or " passed" in ln
                        or " failed" in ln)

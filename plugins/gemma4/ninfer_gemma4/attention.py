@@ -163,10 +163,13 @@ class Attention(nn.Module):
         return self._attend(q, k_cache, v_cache, x, ctx)
 
     def _attend(self, q, k_cache, v_cache, x, ctx: Context) -> torch.Tensor:
-        n = x.shape[0]
+        return self.o_proj(self._attend_rows(q, k_cache, v_cache, x.shape[0], ctx).to(x.dtype))
+
+    def _attend_rows(self, q, k_cache, v_cache, n: int, ctx: Context) -> torch.Tensor:
+        """The attention output [n, heads * head_dim] before o_proj."""
         group = ctx.group_of[self.source]
         if self.source in ctx.kv_scale:
-            return self.o_proj(self._attend_quantized(q, k_cache, v_cache, ctx, group).reshape(n, -1).to(x.dtype))
+            return self._attend_quantized(q, k_cache, v_cache, ctx, group).reshape(n, -1)
         bidirectional = self.window is not None and any(seg.blocks for seg in ctx.segments)
         if use_triton(q) and _flat(ctx.segments) and not bidirectional:  # the Triton kernel, every lane at once
             window = self.window or 0
@@ -174,9 +177,9 @@ class Attention(nn.Module):
             meta = ctx.meta_of(group, window, block_t, ctx.page_size, q.device)
             out = paged_attention(q.contiguous(), k_cache, v_cache, ctx.tables_of(group, q.device), None, None,
                                   window, 1.0, wrap=ctx.wrap.get(group, 0), meta=meta)
-            return self.o_proj(out.reshape(n, -1).to(x.dtype))
+            return out.reshape(n, -1)
         out = torch.cat([self._segment(q, k_cache, v_cache, seg, seg.tables[group], ctx) for seg in ctx.segments])
-        return self.o_proj(out.reshape(n, -1).to(x.dtype))
+        return out.reshape(n, -1)
 
     def _attend_quantized(self, q, k_cache, v_cache, ctx: Context, group: str):
         """Attention over quantised pages (a global layer: no window, no ring): per lane, the core

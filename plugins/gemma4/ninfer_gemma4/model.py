@@ -130,6 +130,11 @@ class Gemma4TextModel(nn.Module):
     def forward(self, ids: torch.Tensor, ctx: Context, embeds: torch.Tensor | None = None,
                 ple_ids: torch.Tensor | None = None, collect: tuple[int, ...] = ()):
         """Final-normed hidden [N, hidden]; `collect` layer outputs land in the returned dict."""
+        if getattr(self, "_fused_step", False) and layers._use_kernels(self.norm.weight):
+            from ninfer_gemma4.gpu import step
+
+            if step.applies(self, ctx, self.norm.weight):  # the GPU path's fused forward (gpu/step.py)
+                return step.forward(self, ids, ctx, embeds, ple_ids, collect)
         x = self.scaled_embed(ids) if embeds is None else embeds
         ple = self.per_layer_inputs(ids if ple_ids is None else ple_ids, x) if self.cfg.hidden_size_per_layer_input else None
         ctx.rope = {kind: rope_tables(f, ctx.positions, x.dtype) for kind, f in self.freqs.items()}
@@ -141,6 +146,13 @@ class Gemma4TextModel(nn.Module):
         return self.norm(x), outs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "_fused_step", False) and layers._use_kernels(hidden):
+            from ninfer_gemma4.gpu import step
+
+            if step.enabled():
+                out = step.logits(self, hidden)
+                if out is not None:
+                    return out
         out = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
         if cap:

@@ -83,6 +83,10 @@ class Gemma4Runner(ModelRunner):
             from ninfer_core.accel.gemv import use_gemv
 
             self.gemv_linears = use_gemv(model)
+            from ninfer_gemma4.gpu.step import prepare
+
+            # q|k|v and gate|up fused, the fused forward of gpu/step.py (NINFER_GEMMA4_FUSE=0: off)
+            self.fused_step = prepare(model)
         self.info = ModelInfo(
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,

@@ -94,15 +94,25 @@ def shrunk_config(kind: str, vocab_size: int = 512, num_layers: int | None = Non
     return out
 
 
-def hf_model(config: dict, seed: int = 0, std: float = 0.05):
-    """transformers' Gemma 4 model of `config` with random weights (fp32, eager attention).
+def hf_model(config: dict, seed: int = 0, std: float = 0.05, device=None):
+    """transformers' Gemma 4 model of `config` with random weights (fp32, eager attention), built
+    and drawn on `device` (the GPU tests: drawing billions of weights on the CPU took minutes).
 
     The norm weights and layer scalars are drawn too (transformers initialises them to ones, which
     would hide a weight the reference forgets to apply)."""
+    import contextlib
+
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return _hf_model(config, std)
+
+
+def _hf_model(config: dict, std: float):
     import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-    torch.manual_seed(seed)
     if config["model_type"] == "gemma4":
         cfg = Gemma4Config(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
         cfg._attn_implementation = "eager"

@@ -73,3 +73,15 @@ def test_graph_decode_body_matches_the_eager_decode_under_the_interpreter():
 
 def test_runner_with_the_fused_kernels_matches_its_torch_forms_under_the_interpreter():
     assert "runner with the fused kernels: worst" in interpreted("fused_runner_interpret")
+
+
+def test_fused_step_kernels_match_their_torch_forms_under_the_interpreter():
+    assert "gemma4 fused-step kernels: worst" in interpreted("check_step_kernels")
+
+
+def test_runner_with_the_fused_forward_matches_its_torch_path_under_the_interpreter():
+    assert "gemma4 runner with the fused forward: worst" in interpreted("step_runner_interpret")
+
+
+def test_decode_step_launch_counts_under_the_interpreter():
+    assert "gemma4 decode step launch counts: ok" in interpreted("launch_counts")
