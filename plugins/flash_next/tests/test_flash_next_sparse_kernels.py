@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from ninfer_flash_next.gpu import sparse_attention as SA  # noqa: E402
+from ninfer_flash_next.gpu import sparse_attention as SA
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -137,7 +137,7 @@ def test_kept_positions_are_the_indexer_mask():
 def _runner_case(r):
     """Prefill chunks 7 + 9 + 12 (the threshold is 11 keys), 3 decodes, a verify of 3 committed at
     2, then a batch of 3 lanes (one still dense) decoding together; every logit row, concatenated."""
-    from ninfer_core.engine.model_api import VERIFY, LOGITS_ALL, ForwardBatch, LaneSegment, SeqView
+    from ninfer_core.engine.model_api import LOGITS_ALL, VERIFY, ForwardBatch, LaneSegment, SeqView
 
     g = torch.Generator().manual_seed(5)
     toks = torch.randint(0, 500, (60,), generator=g).tolist()

@@ -36,7 +36,7 @@ try:
     from ninfer_core.accel.kernels import COMBINE_MAX_SPLITS, _decode_combine_kernel
 
     HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
+except Exception:  # noqa: BLE001 - pragma: no cover - depends on the install
     triton = tl = None
     HAVE_TRITON = False
 
