@@ -107,7 +107,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _index_scores_kernel(Q, KB, LANE, NB, S, s_qt, s_qh, s_kl, s_kb, s_st, NBMAX, sqrt_d,
-                             HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr):
+                             HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr,
+                             IEEE: tl.constexpr):
         t = tl.program_id(0)
         jb = tl.program_id(1)
         lane = tl.load(LANE + t).to(tl.int64)
@@ -118,7 +119,10 @@ if HAVE_TRITON:
         valid = offs_b < nb
         q = tl.load(Q + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :], mask=(offs_h < HI)[:, None], other=0.0)
         kb = tl.load(KB + lane * s_kl + offs_b[:, None] * s_kb + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kb))  # [HP, BN] fp32; padded heads are 0 and relu keeps them 0
+        if IEEE:  # fp32 inputs: no TF32 rounding (the references are fp32)
+            s = tl.dot(q, tl.trans(kb), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kb))  # [HP, BN] fp32; padded heads are 0 and relu keeps them 0
         score = tl.sum(tl.maximum(s, 0.0), 0) / sqrt_d
         tl.store(S + t * s_st + offs_b, tl.where(valid, score, -1.0), mask=offs_b < NBMAX)
 
@@ -165,7 +169,7 @@ if HAVE_TRITON:
                             s_qt, s_qh, s_kp, s_kr, s_kh, s_bt, s_sel, s_ot, s_oh,
                             s_pt, s_ph, s_ps, s_lt, s_lh,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                            R: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+                            R: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -200,14 +204,20 @@ if HAVE_TRITON:
             page = tl.load(BT + lane * s_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
             off = page * s_kp + (pos % PAGE).to(tl.int64) * s_kr + kvh * s_kh
             k = tl.load(K + off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             pr = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(pr, 1)
             vv = tl.load(V + off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv)
             m = m_new
         l_safe = tl.where(l > 0, l, 1.0)
         out = acc / l_safe[:, None]
@@ -233,7 +243,8 @@ def index_scores(q, kb, lane, nb, block_n: int = 64):
         return out
     _index_scores_kernel[(t, triton.cdiv(nbmax, block_n))](
         q, kb, lane, nb, out, q.stride(0), q.stride(1), kb.stride(0), kb.stride(1), out.stride(0), nbmax,
-        math.sqrt(d), HI=h, HP=max(16, triton.next_power_of_2(h)), DI=d, BN=block_n, num_warps=4)
+        math.sqrt(d), HI=h, HP=max(16, triton.next_power_of_2(h)), DI=d, BN=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=4)
     return out
 
 
@@ -285,7 +296,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, lane, qpos, sel, sparse, 
         sel.stride(0), out.stride(0), out.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0, lse.stride(0), lse.stride(1),
         G=h // kvh, GP=max(16, triton.next_power_of_2(h // kvh)), D=d, PAGE=k_cache.shape[1], R=ratio,
-        BN=block_n, SPLIT=splits > 1, num_warps=4, num_stages=2 if q.is_cuda else 1)
+        BN=block_n, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2 if q.is_cuda else 1)
     if splits > 1:
         _decode_combine_kernel[(t, h)](
             o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
