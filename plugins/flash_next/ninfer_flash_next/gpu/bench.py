@@ -7,7 +7,8 @@ then NInfer decode with the experts in pinned host memory through the device exp
 the rate the measured host-to-device bandwidth allows for the expert bytes it copied per token.
 
 Every rate is the median of --repeats timed runs after a warm-up run (Triton compiles and fla
-autotunes on the first). The device model is the first --layers layers (shapes.bench_config; `max`:
+autotunes on the first); a decode rate's runs are consecutive windows of --decode-steps after one
+prefill and one warm-up step. The device model is the first --layers layers (shapes.bench_config; `max`:
 the most multiples of 4 whose weights fit the free device memory, shapes.model_bytes); the host
 model the first --host-layers (its banks are pinned host memory). The real 48 layers do not fit
 one H200 with the experts on the device (the table says the bytes), so the table also gives the
@@ -93,27 +94,31 @@ def ours_prefill(r, tokens, slot=0, all_logits=False) -> tuple[float, torch.Tens
     return len(tokens) / (time.perf_counter() - t), out
 
 
-def ours_decode(r, prompt, steps, snap=None):
-    """(tok/s of `steps` greedy decode steps after `prompt`, the tokens, snap() taken as timing starts)."""
+def ours_decode(r, prompt, steps, windows: int = 1, snap=None):
+    """Greedy decode after one prefill of `prompt`: a warm-up step, then `windows` timed windows of
+    `steps` steps each, one after the other -> (tok/s of each window, every token, snap() at each
+    window's start and end)."""
     from ninfer_core.engine.model_api import SeqView
 
     r.reset_slot(0)
-    pages = list(range(-(-(len(prompt) + steps + 1) // 64) + 1))
+    pages = list(range(-(-(len(prompt) + steps * windows + 2) // 64) + 1))
     seq = SeqView(0, pages, 0)
-    tok = int(r.prefill(seq, prompt).argmax())
+    got = [int(r.prefill(seq, prompt).argmax())]
     seq.num_cached = len(prompt)
-    got = [tok]
-    r.decode([seq], [tok])  # warm-up step
+    got.append(int(r.decode([seq], [got[-1]])[0].argmax()))  # warm-up step
     seq.num_cached += 1
-    _sync()
-    start = snap() if snap is not None else None
-    t = time.perf_counter()
-    for _ in range(steps):
-        tok = int(r.decode([seq], [got[-1]])[0].argmax())
-        got.append(tok)
-        seq.num_cached += 1
-    _sync()
-    return steps / (time.perf_counter() - t), got, start
+    rates, snaps = [], []
+    for _ in range(windows):
+        _sync()
+        snaps.append(snap() if snap is not None else None)
+        t = time.perf_counter()
+        for _ in range(steps):
+            got.append(int(r.decode([seq], [got[-1]])[0].argmax()))
+            seq.num_cached += 1
+        _sync()
+        rates.append(steps / (time.perf_counter() - t))
+        snaps.append(snap() if snap is not None else None)
+    return rates, got, snaps
 
 
 @torch.no_grad()
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-host", action="store_true")
     ap.add_argument("--budget-s", type=float, default=0, help="seconds for the whole run (0: none): transformers "
-                    "is skipped past half of it, the host part past three quarters (the table still prints)")
+                    "is skipped past 0.6 of it, the host part past 0.8 (the table still prints)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="the tiny test model on the CPU (checks the script)")
     a = ap.parse_args(argv)
@@ -232,7 +237,7 @@ def main(argv=None) -> int:
     art = fam.random_artifact(cfg, device=str(dev), seed=0)
     t = time.perf_counter()
     r = fam.load(art, device=str(dev))
-    pages = -(-(max(a.prefill, a.prompt) + a.decode_steps + 2) // 64) + 2
+    pages = -(-(max(a.prefill, a.prompt) + a.decode_steps * a.repeats + 2) // 64) + 2
     r.allocate_cache(pages, 2)
     print(f"device-expert model ({layers} layers) built in {time.perf_counter() - t:.0f} s", flush=True)
     ours_prefill(r, tokens[:256])  # warm-up (Triton / fla autotune)
@@ -241,25 +246,18 @@ def main(argv=None) -> int:
     res["prefill_hf_len_tok_s"], res["prefill_hf_len_runs"], _ = _median_rate(
         lambda: ours_prefill(r, tokens[: a.hf_prefill]), a.repeats, warmup=0)
     our_logits = ours_prefill(r, tokens[: a.hf_prefill], all_logits=True)[1]
-    dev_tokens = []
-
-    def dec(prompt_toks, out):
-        rate, got, _ = ours_decode(r, prompt_toks, a.decode_steps)
-        out[:] = got
-        return rate, None
-
-    res["decode_tok_s"], res["decode_runs"], _ = _median_rate(lambda: dec(prompt, dev_tokens), a.repeats)
-    long_tokens = []
-    res["decode_long_tok_s"], res["decode_long_runs"], _ = _median_rate(
-        lambda: dec(tokens[: a.prefill], long_tokens), a.repeats)
+    runs, dev_tokens, _ = ours_decode(r, prompt, a.decode_steps, a.repeats)
+    res["decode_tok_s"], res["decode_runs"] = statistics.median(runs), runs
+    runs, _, _ = ours_decode(r, tokens[: a.prefill], a.decode_steps, a.repeats)
+    res["decode_long_tok_s"], res["decode_long_runs"] = statistics.median(runs), runs
     print(f"NInfer: prefill {res['prefill_tok_s']:.0f} tok/s ({a.prefill}), decode {res['decode_tok_s']:.1f} tok/s "
           f"after {a.prompt}, {res['decode_long_tok_s']:.1f} after {a.prefill} ({time.perf_counter() - t_all:.0f} s)",
           flush=True)
     def over(frac):
         return a.budget_s > 0 and time.perf_counter() - t_all > frac * a.budget_s
 
-    if hf_version is None or over(0.5):
-        res["transformers"] = {"error": hf_why or f"skipped: past half of --budget-s {a.budget_s:.0f}"}
+    if hf_version is None or over(0.6):
+        res["transformers"] = {"error": hf_why or f"skipped: past 0.6 of --budget-s {a.budget_s:.0f}"}
     else:
         try:
             hf = fam.transformers_model(r, cfg)
@@ -274,8 +272,8 @@ def main(argv=None) -> int:
     r = our_logits = None  # the device model's memory back before the host part
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    if over(0.75):
-        res["host_skipped"] = f"past three quarters of --budget-s {a.budget_s:.0f}"
+    if over(0.8):
+        res["host_skipped"] = f"past 0.8 of --budget-s {a.budget_s:.0f}"
     elif not a.no_host:
         res["host"] = host_part(fam, host_cfg, dev, a, prompt, bw, dev_tokens if host_layers == layers else None)
     print(table(res, a), flush=True)
@@ -292,14 +290,13 @@ def host_part(fam, cfg, dev, a, prompt, bw, dev_tokens) -> dict:
     opts = SimpleNamespace(expert_residency="host", expert_cache_mib=a.host_cache_mib)
     t = time.perf_counter()
     r = fam.load(art, device=str(dev), options=opts)
-    r.allocate_cache(-(-(a.prompt + a.decode_steps + 2) // 64) + 2, 2)
+    r.allocate_cache(-(-(a.prompt + a.decode_steps * a.repeats + 2) // 64) + 2, 2)
     print(f"host-expert model ({cfg['num_hidden_layers']} layers) built in {time.perf_counter() - t:.0f} s",
           flush=True)
     ours_decode(r, prompt, 4)
+    rates, host_tokens, snaps = ours_decode(r, prompt, a.decode_steps, a.repeats, snap=lambda: r.counters()["experts"])
     runs = []
-    for _ in range(a.repeats):
-        rate, host_tokens, before = ours_decode(r, prompt, a.decode_steps, snap=lambda: r.counters()["experts"])
-        after = r.counters()["experts"]
+    for rate, before, after in zip(rates, snaps[::2], snaps[1::2]):
         runs.append((rate, after["transferred_bytes"] - before["transferred_bytes"], after["routes"] - before["routes"],
                      after["hits"] - before["hits"]))
     rate = statistics.median(x[0] for x in runs)
@@ -311,8 +308,8 @@ def host_part(fam, cfg, dev, a, prompt, bw, dev_tokens) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         r = fam.load(art, device=str(dev))
-        r.allocate_cache(-(-(a.prompt + a.decode_steps + 2) // 64) + 2, 2)
-        dev_tokens = ours_decode(r, prompt, a.decode_steps)[1]
+        r.allocate_cache(-(-(a.prompt + a.decode_steps * a.repeats + 2) // 64) + 2, 2)
+        dev_tokens = ours_decode(r, prompt, a.decode_steps, a.repeats)[1]
     r = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -353,8 +350,9 @@ def table(res: dict, a) -> str:
     b = res["bytes"]
     gib = 1 << 30
     real = b["real_48"]
-    lines = [(f"flash-next bench  {res['device']}  first {n} of 48 layers, real widths, bf16, median of "
-              f"{res['repeats']} runs; transformers {res.get('transformers_version') or '-'}")]
+    shape = "the tiny test model (--smoke)" if a.smoke else f"first {n} of 48 layers, real widths, bf16"
+    lines = [(f"flash-next bench  {res['device']}  {shape}, median of {res['repeats']} runs; transformers "
+              f"{res.get('transformers_version') or '-'}")]
     lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     mem = res.get("device_memory_GiB")
     whole = (real["experts"] + real["dense"]) / gib
