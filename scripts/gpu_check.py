@@ -31,10 +31,13 @@ prefill and batched decode (whole, and micro-batched with every round cut into l
 `--spec mtp` through the engine in the same call, greedy tokens compared (one table; the PIPELINE
 line last).
 
-Qwen3.8-Flash-Next (issue 25): `--order flash_next` runs plugins/flash_next's CUDA checks (bf16
-parity with transformers at the real widths past the indexer's dense threshold, host experts equal
-to device ones) and `python -m ninfer_flash_next.gpu.bench` (prefill and decode against transformers,
-host-resident experts' decode rate against the measured host-to-device bandwidth).
+Qwen3.8-Flash-Next (issue 25): `--order flash_next --flash-next-site /tmp/site_tf` (about 5 minutes:
+--flash-next-budget 290 s) runs plugins/flash_next's CUDA checks (the indexed attention's Triton
+kernels; bf16 parity with transformers at the real widths in 2 layers past the indexer's dense
+threshold; host experts equal to device ones) and `python -m ninfer_flash_next.gpu.bench --layers max`
+(prefill and decode against transformers, medians of repeats, as many layers as fit with the
+experts on the device and the decode rate scaled to 48; host-resident experts' decode rate against
+the measured host-to-device bandwidth).
 
 Decode at the bandwidth limit (issue 21): `--order decode` runs scripts/decode_bench.py's kernel table
 (our GEMV against torch/cuBLAS against the read stream, every decode shape of `--decode-shapes` at
@@ -105,8 +108,13 @@ def main() -> int:
     ap.add_argument("--order", default="tests,replay,bench", help="order of the parts (comma-separated)")
     ap.add_argument("--pipeline-args", default="", help="extra arguments for scripts/pipeline_check.py")
     ap.add_argument("--tests-timeout", type=float, default=240, help="seconds at most for the GPU tests")
-    ap.add_argument("--flash-next-tests-timeout", type=float, default=200,
-                    help="seconds at most for Flash-Next's GPU tests (--order ...,flash_next)")
+    ap.add_argument("--flash-next-tests-timeout", type=float, default=150,
+                    help="seconds at most for Flash-Next's GPU tests (--order ...,flash_next; about 90 s)")
+    ap.add_argument("--flash-next-budget", type=float, default=290,
+                    help="seconds for the whole Flash-Next part (tests, then the bench in what is left)")
+    ap.add_argument("--flash-next-bench-args", default="--layers max",
+                    help="arguments of python -m ninfer_flash_next.gpu.bench (--layers max: as many of the "
+                    "48 layers as fit the H200 with the experts on the device)")
     ap.add_argument("--flash-next-site", default=os.environ.get("NINFER_TF_SITE", ""),
                     help="a folder put first on PYTHONPATH for Flash-Next's parts only (a newer transformers: "
                     "the device's 5.17 predates qwen4_exp's indexed_attention layers; docs/bench.md)")
@@ -256,28 +264,36 @@ def main() -> int:
         summary.append(text[start:].strip() if start >= 0 else text[-4000:])
 
     def part_flash_next():
-        left = a.budget - (time.monotonic() - t_start)
-        env = None
+        """Issue 25: the CUDA checks (bf16 parity with transformers at the real widths in 2 layers past the
+        indexer's dense threshold, host experts equal to device), then the bench in what is left of
+        --flash-next-budget (its table: medians of repeats, transformers' column, host experts against
+        the measured host->device rate, the 48-layer scaling)."""
+        t0 = time.monotonic()
+
+        def left():
+            return min(a.flash_next_budget - (time.monotonic() - t0), a.budget - (time.monotonic() - t_start))
+        env = dict(os.environ)
         if a.flash_next_site:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [a.flash_next_site, *filter(None, [os.environ.get("PYTHONPATH", "")])]))
+            env["PYTHONPATH"] = os.pathsep.join([a.flash_next_site, *filter(None, [os.environ.get("PYTHONPATH", "")])])
+            env["NINFER_TF_SITE"] = a.flash_next_site
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            "plugins/flash_next/tests/test_flash_next_gpu.py"],
-                           os.path.join(a.out, "flash_next.log"), max(60, min(a.flash_next_tests_timeout, left - 100)),
+                            "plugins/flash_next/tests/test_flash_next_gpu.py",
+                            "plugins/flash_next/tests/test_flash_next_sparse_kernels.py"],
+                           os.path.join(a.out, "flash_next.log"), max(60, min(a.flash_next_tests_timeout, left() - 120)),
                            env)
         summary.append(f"== Flash-Next GPU checks rc={rc} in {dt:.0f} s")
         summary.extend(ln for ln in text.splitlines() if ln.startswith("PARITY") or " passed" in ln
                        or " failed" in ln)
         if rc != 0:
-            summary.append(text[-4000:])
-        left = a.budget - (time.monotonic() - t_start)
+            summary.append(text[-3000:])
         js = os.path.join(a.out, "flash_next_bench.json")
-        rc, dt, text = run([sys.executable, "-m", "ninfer_flash_next.gpu.bench", "--json", js],
-                           os.path.join(a.out, "flash_next_bench.log"), max(60, left - 10), env)
+        budget = max(60, left() - 10)
+        rc, dt, text = run([sys.executable, "-m", "ninfer_flash_next.gpu.bench", "--json", js,
+                            "--budget-s", str(int(budget - 30)), *a.flash_next_bench_args.split()],
+                           os.path.join(a.out, "flash_next_bench.log"), budget, env)
         summary.append(f"== Flash-Next bench rc={rc} in {dt:.0f} s")
         start = text.find("flash-next bench")
         summary.append(text[start:].strip() if start >= 0 else text[-3000:])
-
 
     def part_quant():
         """Issue 22 on the device, within --quant-budget: the quantised-KV attention kernels and the

@@ -36,4 +36,30 @@ def bench_config(layers: int = 4, ngram_vocab_base: int = 200_000) -> dict:
     return cfg
 
 
+def parity_config(ngram_vocab_base: int = 200_000) -> dict:
+    """The real widths in two layers: the PLE layer's GDN, then one indexed attention layer (the
+    GPU parity tests: half the expert bytes and compile work of the 4-layer period)."""
+    cfg = bench_config(2, ngram_vocab_base)
+    cfg["layer_types"] = ["linear_attention", "indexed_attention"]
+    cfg["ple_layer_ids"] = [1]  # one-based: layer 0
+    return cfg
+
+
+def model_bytes(cfg: dict, dtype_bytes: int = 2) -> dict:
+    """Weight bytes of a config by part at `dtype_bytes` per parameter, counted on a meta-device
+    model: routed experts, everything else, the n-gram tables (the bench sizes `--layers max` by it)."""
+    import torch
+
+    from ninfer_flash_next.config import FlashNextConfig
+    from ninfer_flash_next.model import FlashNextModel
+
+    f = FlashNextConfig.from_hf(cfg)
+    with torch.device("meta"):
+        m = FlashNextModel(f)
+    experts = sum(p.numel() for n, p in m.named_parameters() if ".mlp.experts." in n)
+    dense = sum(p.numel() for n, p in m.named_parameters() if ".mlp.experts." not in n)
+    ngram = sum(f.ngram_table_rows(i) * f.ngram_row_dim for i in range(len(f.ple_layer_ids)))
+    return {"experts": experts * dtype_bytes, "dense": dense * dtype_bytes, "ngram": ngram * dtype_bytes}
+
+
 FLASH_NEXT_4L = bench_config()

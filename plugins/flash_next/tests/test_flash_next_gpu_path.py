@@ -71,3 +71,25 @@ def test_gdn_kernel_glue_under_the_triton_interpreter():
                        cwd=os.path.dirname(__file__))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "1 passed" in p.stdout
+
+
+def test_bench_script_runs_on_the_cpu(tmp_path, capsys):
+    """`python -m ninfer_flash_next.gpu.bench --smoke` (the tiny model on the CPU): every figure of
+    the table is there, the rates are medians of the asked repeats, transformers' column and the
+    host-expert line are filled, host experts decode the device's greedy tokens."""
+    import json
+
+    from ninfer_flash_next.gpu import bench
+
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--prefill", "24", "--hf-prefill", "20", "--prompt", "8", "--decode-steps", "3",
+                       "--hf-decode-steps", "2", "--repeats", "3", "--hf-repeats", "1", "--host-cache-mib", "1",
+                       "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["decode_runs"]) == 3 and res["decode_tok_s"] in res["decode_runs"]
+    assert len(res["decode_long_runs"]) == 3 and res["prefill_tok_s"] > 0
+    assert res["transformers"]["decode_tok_s"] > 0 and res["transformers"]["bf16_logits_rel_err"] <= 1e-4
+    assert res["host"]["greedy_equal_to_device"] is True and res["host"]["bytes_per_token"] > 0
+    text = capsys.readouterr().out
+    assert "decode b1 tok/s after 24 (sparse attention)" in text and "scaled to 48 layers" in text
+    assert "48 layers with experts on device" in text

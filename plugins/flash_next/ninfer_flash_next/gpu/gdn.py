@@ -56,7 +56,13 @@ class KernelGatedDeltaNet(GatedDeltaNet):
 
 
 def use_kernels(model) -> None:
-    """Swap every GDN layer of `model` to the kernel path (same parameters, same state layout)."""
+    """Swap every GDN and indexed attention layer of `model` to the kernel path (same parameters,
+    same cache layout; gpu/indexed.py is the attention's)."""
+    from ninfer_flash_next.attention import IndexedAttention
+    from ninfer_flash_next.gpu.indexed import KernelIndexedAttention
+
     for layer in model.layers:
         if layer.layer_type == "linear_attention" and type(layer.linear_attn) is GatedDeltaNet:
             layer.linear_attn.__class__ = KernelGatedDeltaNet
+        elif layer.layer_type != "linear_attention" and type(layer.self_attn) is IndexedAttention:
+            layer.self_attn.__class__ = KernelIndexedAttention

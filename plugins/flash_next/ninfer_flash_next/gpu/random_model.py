@@ -86,7 +86,9 @@ class RandomArtifact:
 
 
 def transformers_model(runner, hf_config: dict):
-    """transformers' Qwen4ExpForCausalLM with `runner`'s weights (device residency; shared, no copy)."""
+    """transformers' Qwen4ExpForCausalLM with `runner`'s weights (device residency; shared storage, no
+    copy). The runner's Parameters themselves are not handed over (detached views are): `hf.float()`
+    then converts transformers' copies and leaves the runner's bf16 weights as they are."""
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRotaryEmbedding
 
@@ -95,8 +97,8 @@ def transformers_model(runner, hf_config: dict):
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         hf = Qwen4ExpForCausalLM(cfg)
-    state = {"model." + n: p for n, p in runner.model.named_parameters() if n != "lm_head.weight"}
-    state["lm_head.weight"] = runner.model.lm_head.weight
+    state = {"model." + n: p.detach() for n, p in runner.model.named_parameters() if n != "lm_head.weight"}
+    state["lm_head.weight"] = runner.model.lm_head.weight.detach()
     for layer in runner.fcfg.ple_layer_ids:
         ple = runner.model.layers[layer].ple
         pre = f"model.layers.{layer}.ple.ple_embedding."
