@@ -73,7 +73,7 @@ class VerifyMixin:
         decode = [i for i, s in enumerate(segs) if s.kind == DECODE]
         if decode:  # a decode lane in a verify batch: its own (graphed) decode step, no commit
             rest = [i for i, s in enumerate(segs) if s.kind != DECODE]
-            pick = lambda idx, xs: [xs[i] for i in idx] if xs else None  # noqa: E731
+            pick = lambda idx, xs: [xs[i] for i in idx] if xs else None
             rope = [segs[i].start + offsets[i] for i in decode] if offsets else None
             done = dict(zip(decode, self._decode_segments(pick(decode, segs), rope, taps)))
             got = dict(zip(rest, self._verify_segments(pick(rest, segs), taps, pick(rest, offsets))))
