@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("ninfer_spec_dflash")
 pytest.importorskip("ninfer_spec_mtp")
 
-from ninfer_tiny.train import package_artifact_path  # noqa: E402
-from ninfer_tiny.train_dflash import acceptance_table, main  # noqa: E402
+from ninfer_tiny.train import package_artifact_path
+from ninfer_tiny.train_dflash import acceptance_table, main
 
-from ninfer_core.artifact import Artifact  # noqa: E402
+from ninfer_core.artifact import Artifact
 
 
 def test_micro_run_writes_the_drafters_and_the_acceptance_table(tmp_path, capsys):
