@@ -218,3 +218,47 @@ def test_layer_outputs_never_change_the_gpu_runners_numbers(art):
         assert tapped[0].hidden[layer].shape == (40, 64)
         torch.testing.assert_close(tapped[0].hidden[layer], want.hidden[layer], atol=1e-4, rtol=1e-4)
     assert tapped[1].hidden[1].shape == (1, 64) and tapped[2].hidden[3].shape == (3, 64)
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dflash2"])
+def test_eight_concurrent_chat_requests_on_ninfer_tiny_equal_each_alone(spec):
+    """The trained ninfer-tiny with its shipped drafters through the GPU runner's path (its CPU
+    fallbacks): 8 chat requests at once with the drafter, each request's plain output alone."""
+    tiny = pytest.importorskip("ninfer_tiny.plugin")
+    if tiny.packaged_artifact() is None:
+        pytest.skip("no packaged ninfer-tiny artifact")
+    from ninfer_core.tokenizer import Tokenizer
+    from ninfer_core.tokenizer.chat_template import ChatTemplate
+
+    art = Artifact.open(tiny.packaged_artifact())
+    tok = Tokenizer.from_section(art.tokenizer_section)
+    tpl = ChatTemplate(art.chat_template)
+    qs = ["What is 38 + 47?", "Hello", "What is your name?", "Count from 3 to 9.", "What is 61 + 29?",
+          "What is 17 + 25?", "Count from 1 to 12.", "What is 90 + 9?"]
+    rs = [GenerationRequest(prompt_ids=tok.encode(tpl.render([{"role": "user", "content": q}])), sampling=GREEDY,
+                            max_tokens=48) for q in qs]
+
+    def run(backend_kind, lanes, concurrent):
+        r = GpuQwen35Runner.from_runner(Qwen35Family().load(art))
+        backend = BACKENDS[backend_kind].load(r, art, argparse.Namespace(draft_tokens=7)) if backend_kind else None
+
+        async def go():
+            eng = Engine(r, tok, EngineOptions(max_context=1024, max_concurrency=lanes, ngram_draft_tokens=0),
+                         spec=backend)
+            eng.start()
+            try:
+                if concurrent:
+                    hs = [eng.submit(q) for q in rs]
+                    outs = [await collect(h) for h in hs]
+                else:
+                    outs = [await collect(eng.submit(q)) for q in rs]
+                return [o.token_ids for o in outs], eng.snapshot()["counters"]
+            finally:
+                eng.shutdown(timeout=60)
+
+        return run_async(go(), timeout=600)
+
+    alone, _ = run(None, 1, False)
+    got, c = run(spec, 8, True)
+    assert got == alone
+    assert c["draft_accepted_tokens"] > 0
