@@ -238,11 +238,12 @@ def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, see
 
 
 def acceptance(artifact: str, kinds, ks, prompts: int, seed: int, max_tokens: int = 96,
-               deadline: float | None = None) -> dict:
+               deadline: float | None = None, device: str = "cpu") -> dict:
     """{K: {backend: ...}}: accepted tokens per round (committed per round = accepted + 1) of greedy
     requests through the engine with each backend at each K, on held-out prompts, beside plain
     decoding (run once; outputs must equal it). A run that would start past `deadline` (a
-    time.monotonic() value) is left out and listed under "skipped"."""
+    time.monotonic() value) is left out and listed under "skipped". The engine runs on `device`
+    (the serving path there: bf16 and CUDA Graphs on CUDA)."""
     import argparse as ap
 
     from ninfer_core.artifact import Artifact
@@ -263,14 +264,14 @@ def acceptance(artifact: str, kinds, ks, prompts: int, seed: int, max_tokens: in
     reqs = [tmpl.render_ids(tok, s.prompt_messages(), tools=s.tools, add_generation_prompt=True) for s in samples]
 
     def run(name, k=None):
-        runner = fam.load(art)
+        runner = fam.load(art, device=device)
         backend = None
         if name:
             backend = host.resolve_spec_backend(name).load().load(runner, art, ap.Namespace(draft_tokens=k))
 
         async def go():
-            eng = Engine(runner, tok, EngineOptions(max_context=2048, prefill_chunk=256, ngram_draft_tokens=0),
-                         spec=backend)
+            eng = Engine(runner, tok, EngineOptions(max_context=2048, prefill_chunk=256, ngram_draft_tokens=0,
+                                                    device=device), spec=backend)
             eng.start()
             try:
                 outs = [await collect(eng.submit(GenerationRequest(prompt_ids=p, max_tokens=max_tokens,
@@ -363,7 +364,7 @@ def train(out: Path, recipe: DraftRecipe, artifact: str, seed: int = 0, device: 
         # the table's last run may start until 40 s before the budget's end (a run takes ~15-30 s there)
         deadline = None if budget is None else t0 + budget - 40
         summary["acceptance"] = acceptance(str(merged), ["mtp", "dflash", "dflash2"], ks, eval_prompts, seed,
-                                           deadline=deadline)
+                                           deadline=deadline, device=dev)
         log(acceptance_table(summary["acceptance"]))
     summary["seconds"] = time.monotonic() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
