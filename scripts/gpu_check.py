@@ -216,7 +216,7 @@ def main() -> int:
 
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             "plugins/spec_dflash/tests/test_dflash_gpu.py"], os.path.join(a.out, "dflash-tests.log"),
-                           max(30, min(70, left() - 200)))
+                           max(30, min(90, left() - 190)))  # (a fresh machine compiles the Triton kernels here)
         summary.append(f"== dflash CUDA checks rc={rc} in {dt:.0f} s")
         summary.extend(ln for ln in text.splitlines() if ln.startswith("dflash ") or " passed" in ln or " failed" in ln)
         if rc != 0:
