@@ -58,12 +58,17 @@ def test_draft_graphs_equal_the_eager_pass(art, kind):
         backend.observe_target(f"r{i}", 0, {1: feats[:, :64], 3: feats[:, 64:]})
         lanes.append(DraftLane(f"r{i}", i, {}, p, 7 + i, 7))
     rows, tokens, bases, width = backend._lanes(lanes)
-    eager = backend.graphs.run(rows, tokens, bases, width, 7, static=False).clone()
+    unpadded = backend.graphs.run(rows, tokens, bases, width, 7, static=False).clone()
     for _ in range(3):  # capture, then replays
-        graphed = backend.graphs.run(rows, tokens, bases, width, 7, static=True)
-        assert torch.equal(graphed, eager)
-    assert backend.graphs.graphs[(4, 128, 7)]["graph"] is not None
-    print(f"dflash graphs {kind}: 3 lanes in the (4, 128, 7) graph draft what the eager pass drafts")
+        graphed = backend.graphs.run(rows, tokens, bases, width, 7, static=True).clone()
+        g = backend.graphs.graphs[(4, 128, 7)]
+        assert g["graph"] is not None
+        inp = g["inputs"]  # the same padded inputs eagerly: the same kernels, so the same bits
+        assert torch.equal(graphed, backend._draft_body(inp[0], inp[1], inp[2], 128, 7)[:3])
+    same = int((graphed == unpadded).all(-1).sum())
+    print(f"dflash graphs {kind}: 3 lanes in the (4, 128, 7) graph draft what the eager pass over the same "
+          f"bucket drafts; {same}/3 lanes as the unpadded eager pass")
+    assert same >= 2  # a 4-row bucket may round a near-tie of the random drafter differently from 3 rows
 
 
 def test_runner_graphs_with_layer_outputs_give_the_same_logits(art):
