@@ -159,6 +159,8 @@ def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, see
     from ninfer_spec_dflash.model import Drafter
 
     ids, feats, picks = data
+    if str(device).startswith("cuda"):  # the features once on the device (8,192 rows: 4.3 GB in bf16)
+        feats = feats.to(device)
     cfg = DrafterConfig.from_hf(cfg_json, kind)
     vocab = runner.info.vocab_size
     torch.manual_seed(seed)
