@@ -147,8 +147,8 @@ def test_streamed_encode_equals_the_resident_one(vl, dtype):
 
 def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
     """The fast runner (its torch fallbacks on the CPU) on a media lane: the prefill unit with the
-    image and a verify of three tokens through the reference path, its commit; a text-only prefill
-    unit after the image and a decode on the fast path with the lane's rope offset."""
+    image through the reference path; a text-only prefill unit after the image, a verify of three
+    tokens (its commit) and a decode on the fast path with the lane's rope offset."""
     from ninfer_qwen35.gpu.runner import GpuQwen35Runner
 
     from ninfer_core.engine.model_api import VERIFY
@@ -164,13 +164,18 @@ def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
     ids = [10_000 + i if any(s.start <= i < s.end for s in exp.spans) else t for i, t in enumerate(exp.ids)]
     n = len(ids)
     outs = []
-    fast_decodes, fast_prefills = [], []
+    fast_decodes, fast_prefills, fast_verifies = [], [], []
     for runner in (fam.load(art), GpuQwen35Runner.from_runner(fam.load(art))):
         if isinstance(runner, GpuQwen35Runner):  # text-only units take the fast path with a rope offset
             real = runner._decode_segments
-            runner._decode_segments = lambda segs, rope=None, real=real: fast_decodes.append(rope) or real(segs, rope)
+            runner._decode_segments = lambda segs, rope=None, *a, real=real, **kw: (fast_decodes.append(rope)
+                                                                                     or real(segs, rope, *a, **kw))
             real_prefill = runner._prefill_segment
-            runner._prefill_segment = lambda s, o=0, real=real_prefill: fast_prefills.append(o) or real(s, o)
+            runner._prefill_segment = lambda s, o=0, *a, real=real_prefill, **kw: (fast_prefills.append(o)
+                                                                                   or real(s, o, *a, **kw))
+            real_verify = runner._verify_segments
+            runner._verify_segments = lambda segs, taps=(), offsets=None, real=real_verify: (
+                fast_verifies.append(offsets) or real(segs, taps, offsets))
         runner.allocate_cache(8, 2)
         tables = {"full_attention": [3, 4, 5, 6]}
         head = n - 3  # the image and what precedes it; then three text tokens in a unit of their own
@@ -187,3 +192,4 @@ def test_gpu_runner_serves_media_lanes_like_the_reference(vl):
     for a, b in zip(*outs):
         assert rel_err(b, a) <= 1e-4
     assert fast_decodes == [[n + 2 + exp.position_delta]] and fast_prefills == [exp.position_delta]
+    assert fast_verifies == [[exp.position_delta]]

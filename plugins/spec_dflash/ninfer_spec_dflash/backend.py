@@ -1,10 +1,11 @@
 """DFlashBackend / DFlash2Backend: K drafts per lane from one block-diffusion pass.
 
 The backend asks every target forward for the drafter's `target_layer_ids` (`SpecBackend.target_layers`)
-and keeps, per request, each draft layer's context K/V of the committed positions (`observe_target`).
-A round (`propose`) runs one batched drafter pass over [last token, mask x K] per lane and takes the
-drafts from the target's LM head: argmax per position (DFlash), or the candidate selector's path
-(DFlash2). Drafts are deterministic, so the engine's coupled verification is exact rejection
+and keeps, per request, each draft layer's context K/V of the committed positions (`observe_target`,
+one row of the `ContextStore`, projected for all lanes at once before the next draft pass). A round
+(`propose`) runs one batched drafter pass over [last token, mask x K] per lane and takes the drafts
+from the target's LM head: argmax per position (DFlash), or the candidate selector's path (DFlash2);
+on CUDA that pass is a graph per (lane bucket, context width bucket, K) (`graphs.DraftGraphs`). Drafts are deterministic, so the engine's coupled verification is exact rejection
 sampling for sampled requests (docs/speculative.md).
 
 Positions a request reused from the context cache were never run by its forwards: their context
@@ -20,6 +21,8 @@ import torch
 
 from ninfer_core.engine.spec import DraftLane, Proposal, SpecBackend
 from ninfer_spec_dflash.config import DrafterConfig, DrafterConfigError
+from ninfer_spec_dflash.context import ContextStore
+from ninfer_spec_dflash.graphs import DraftGraphs, graphs_wanted, width_bucket
 from ninfer_spec_dflash.model import Drafter
 
 log = logging.getLogger("ninfer.spec.dflash")
@@ -65,24 +68,6 @@ def load_drafter(artifact, kind: str, vocab_size: int, device, dtype) -> Drafter
     return model.eval()
 
 
-class _Context:
-    """One request's context K/V rows per draft layer: k/v [cap, kvh, hd], valid [cap]."""
-
-    def __init__(self, layers: int, kvh: int, hd: int, device, dtype, cap: int = 256):
-        self.k = [torch.zeros(cap, kvh, hd, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(cap, kvh, hd, device=device, dtype=dtype) for _ in range(layers)]
-        self.valid = torch.zeros(cap, dtype=torch.bool, device=device)
-        self.n = 0
-
-    def reserve(self, n: int) -> None:
-        cap = self.valid.shape[0]
-        if n <= cap:
-            return
-        new = max(n, 2 * cap)
-        grow = lambda t: torch.cat([t, t.new_zeros((new - cap, *t.shape[1:]))])
-        self.k, self.v, self.valid = [grow(t) for t in self.k], [grow(t) for t in self.v], grow(self.valid)
-
-
 class DFlashBackend(SpecBackend):
     name = "dflash"
 
@@ -95,7 +80,9 @@ class DFlashBackend(SpecBackend):
         self.proposal = proposal  # (weight [N, H], token ids [N]) or None
         self.device = runner.device
         self.dtype = next(drafter.parameters()).dtype
-        self.lanes: dict[str, _Context] = {}
+        c = self.cfg
+        self.store = ContextStore(self._project, c.num_layers, c.num_kv_heads, c.head_dim, self.device, self.dtype)
+        self.graphs = DraftGraphs(self._draft_body, self.store, self.device)
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -143,62 +130,61 @@ class DFlashBackend(SpecBackend):
                 "proposal_rows": int(self.proposal[0].shape[0]) if self.proposal is not None else None}
 
     # -- context ---------------------------------------------------------------------------------
+    def _project(self, feats: torch.Tensor, pos: torch.Tensor):
+        """Each draft layer's context (K, V) rows of target features [N, L*H] at positions pos [N]."""
+        return self.drafter.context_kv(self.drafter.context(feats), pos)
+
     @torch.inference_mode()
     def observe_target(self, request_id: str, start: int, hidden: Mapping[int, torch.Tensor]) -> None:
-        c = self.cfg
-        feats = torch.cat([hidden[i].to(self.device) for i in c.target_layer_ids], -1)  # [n, L*H]
-        n = feats.shape[0]
-        lane = self.lanes.get(request_id)
-        if lane is None:
-            lane = self.lanes[request_id] = _Context(c.num_layers, c.num_kv_heads, c.head_dim, self.device,
-                                                     self.dtype, max(256, start + n))
-        lane.reserve(start + n)
-        pos = torch.arange(start, start + n, device=self.device)
-        for i, (k, v) in enumerate(self.drafter.context_kv(self.drafter.context(feats), pos)):
-            lane.k[i][start: start + n] = k
-            lane.v[i][start: start + n] = v
-        lane.valid[start: start + n] = True
-        if start + n < lane.n:  # a lane rewound (its positions are recomputed): later rows are stale
-            lane.valid[start + n:] = False
-        lane.n = start + n
+        # queued: a round's lanes (and a prefill chunk) are projected together before the next draft pass
+        feats = torch.cat([hidden[i] for i in self.cfg.target_layer_ids], -1)  # [n, L*H]
+        self.store.observe(request_id, start, feats)
 
     def lane_finished(self, request_id: str) -> None:
-        self.lanes.pop(request_id, None)
+        self.store.release(request_id)
+
+    def context_rows(self, request_id: str) -> dict | None:
+        """The request's context K/V rows per draft layer and their valid flags (copies), or None."""
+        with torch.inference_mode():
+            self.store.flush()
+        return self.store.rows_of(request_id)
 
     # -- drafting --------------------------------------------------------------------------------
-    def _batch(self, lanes: Sequence[DraftLane]):
-        """Context K/V per layer [B, C, kvh, hd], its mask [B, C] and key positions for the lanes."""
-        c, dev = self.cfg, self.device
-        ctx = [self.lanes.get(lane.request_id) for lane in lanes]
-        width = max(1, max(lane.position for lane in lanes))
-        ks = [torch.zeros(len(lanes), width, c.num_kv_heads, c.head_dim, device=dev, dtype=self.dtype)
-              for _ in range(c.num_layers)]
-        vs = [torch.zeros_like(t) for t in ks]
-        valid = torch.zeros(len(lanes), width, dtype=torch.bool, device=dev)
-        for b, (lane, got) in enumerate(zip(lanes, ctx)):
-            n = min(lane.position, got.n) if got is not None else 0
-            if n:
-                for i in range(c.num_layers):
-                    ks[i][b, :n] = got.k[i][:n]
-                    vs[i][b, :n] = got.v[i][:n]
-                valid[b, :n] = got.valid[:n]
-        return list(zip(ks, vs)), valid
+    def _draft_body(self, rows: torch.Tensor, tokens: torch.Tensor, bases: torch.Tensor, width: int,
+                    k: int) -> torch.Tensor:
+        """Drafts [B, K] of lanes (store rows, last tokens, positions: int64 [B] on the device) whose
+        context reads the store's first `width` positions; no host sync (a CUDA Graph's body)."""
+        hidden = self._block(rows, tokens, bases, width, k)
+        return self._pick(hidden, tokens)
+
+    def _block(self, rows, tokens, bases, width: int, k: int) -> torch.Tensor:
+        """The drafter's final-normed hidden [B, k + 1, H] of each lane's block [token, mask x k]."""
+        c, dev, st = self.cfg, self.device, self.store
+        b, s = rows.shape[0], k + 1
+        ids = torch.cat([tokens[:, None], torch.full((b, k), c.mask_token_id, dtype=torch.int64, device=dev)], 1)
+        x = self.runner.embed(ids.reshape(-1)).view(b, s, -1).to(self.dtype)
+        pos = bases[:, None] + torch.arange(s, device=dev)
+        ctx_kv = [(st.k[i][:, :width].index_select(0, rows), st.v[i][:, :width].index_select(0, rows))
+                  for i in range(c.num_layers)]
+        kidx = torch.arange(width, device=dev)
+        valid = st.valid[:, :width].index_select(0, rows) & (kidx[None, :] < bases[:, None])  # [B, W]
+        mask = torch.cat([valid[:, None, :].expand(b, s, width), torch.ones(b, s, s, dtype=torch.bool, device=dev)], -1)
+        kpos = torch.cat([kidx.expand(b, width), pos], 1)
+        return self.drafter(x, pos, ctx_kv, mask, kpos)
+
+    def _lanes(self, lanes: Sequence[DraftLane]):
+        self.store.flush()
+        rows = [self.store.row(lane.request_id) for lane in lanes]
+        width = width_bucket(max(lane.position for lane in lanes))
+        self.store.ensure_cap(width)
+        return rows, [int(lane.token) for lane in lanes], [int(lane.position) for lane in lanes], width
 
     @torch.inference_mode()
     def hidden_block(self, lanes: Sequence[DraftLane], k: int) -> torch.Tensor:
-        """The drafter's final-normed hidden [B, k + 1, H] of each lane's block [token, mask x k]."""
-        c, dev = self.cfg, self.device
-        b, s = len(lanes), k + 1
-        ids = torch.full((b, s), c.mask_token_id, dtype=torch.int64, device=dev)
-        ids[:, 0] = torch.tensor([lane.token for lane in lanes], dtype=torch.int64, device=dev)
-        x = self.runner.embed(ids.view(-1)).view(b, s, -1).to(self.dtype)
-        base = torch.tensor([lane.position for lane in lanes], dtype=torch.int64, device=dev)
-        pos = base[:, None] + torch.arange(s, device=dev)
-        ctx_kv, valid = self._batch(lanes)
-        width = valid.shape[1]
-        mask = torch.cat([valid[:, None, :].expand(b, s, width), torch.ones(b, s, s, dtype=torch.bool, device=dev)], -1)
-        kpos = torch.cat([torch.arange(width, device=dev).expand(b, width), pos], 1)
-        return self.drafter(x, pos, ctx_kv, mask, kpos)
+        """The block's hidden [B, k + 1, H] for the lanes, eagerly (the reference of the graph path)."""
+        rows, tokens, bases, width = self._lanes(lanes)
+        t = torch.tensor([rows, tokens, bases], dtype=torch.int64).to(self.device)
+        return self._block(t[0], t[1], t[2], width, k)
 
     def _scores(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits [..., V'] of final-normed rows and the token ids of their columns (None: all)."""
@@ -207,7 +193,7 @@ class DFlashBackend(SpecBackend):
             return torch.nn.functional.linear(hidden.to(w.dtype), w).float(), ids
         return self.runner.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1), None
 
-    def pick(self, hidden: torch.Tensor, lanes: Sequence[DraftLane]) -> torch.Tensor:
+    def _pick(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """Drafts [B, K] of the block rows 1..K: each position's argmax."""
         scores, ids = self._scores(hidden[:, 1:])
         top = scores.argmax(-1)
@@ -220,9 +206,11 @@ class DFlashBackend(SpecBackend):
         if not active:
             return out
         sel = [lanes[i] for i in active]
-        # every lane runs the same block (one batched pass) and keeps what it may verify
-        hidden = self.hidden_block(sel, self.draft_tokens)
-        drafts = self.pick(hidden, sel).tolist()
+        # every lane runs the same block (one batched pass, a CUDA Graph per lane and width bucket)
+        # and keeps what it may verify
+        rows, tokens, bases, width = self._lanes(sel)
+        drafts = self.graphs.run(rows, tokens, bases, width, self.draft_tokens,
+                                 static=graphs_wanted(self.runner)).tolist()
         for j, i in enumerate(active):
             out[i] = Proposal([int(t) for t in drafts[j][: lanes[i].max_drafts]])
         return out
@@ -231,9 +219,8 @@ class DFlashBackend(SpecBackend):
 class DFlash2Backend(DFlashBackend):
     name = "dflash2"
 
-    def pick(self, hidden: torch.Tensor, lanes: Sequence[DraftLane]) -> torch.Tensor:
-        """Drafts [B, K]: the candidate selector's greedy path from each lane's last token."""
+    def _pick(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """Drafts [B, K]: the candidate selector's greedy path from each lane's last token `anchor` [B]."""
         rows = hidden[:, 1:]
         scores, ids = self._scores(rows)
-        anchor = torch.tensor([lane.token for lane in lanes], dtype=torch.int64, device=self.device)
         return self.drafter.candidate_selector.walk(rows, scores, anchor, ids)

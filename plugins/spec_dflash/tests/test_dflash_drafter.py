@@ -182,7 +182,7 @@ def test_positions_never_seen_are_left_out_of_the_context():
     want = direct_block(sd, cfg, feats, [False] * 6 + [True] * 4, 5, 10, 3, runner)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     backend.lane_finished("r")
-    assert "r" not in backend.lanes
+    assert backend.context_rows("r") is None
 
 
 def test_sliding_window_layers_see_only_the_window():
@@ -226,3 +226,74 @@ def test_mtp_options_are_refused():
         DFlashBackend.check_options(argparse.Namespace(adaptive_mtp=True))
     with pytest.raises(SpecOptionError, match="contradict"):
         DFlash2Backend.check_options(argparse.Namespace(lm_head_draft=True, full_draft_head=True))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_graph_buckets_run_the_eager_pass(kind):
+    """The graph path's logic on the CPU: lanes padded to a bucket on static buffers (scratch-row
+    padding lanes) draft what the eager pass drafts; one entry per (lanes, width, K); a lane past
+    the width bucket takes the next; the store growing drops every entry."""
+    from ninfer_spec_dflash.graphs import lane_bucket, width_bucket
+
+    cfg, model = make(kind)
+    runner = FakeRunner()
+    backend = (DFlash2Backend if kind == "dflash2" else DFlashBackend)(runner, model, draft_tokens=5)
+    g = torch.Generator().manual_seed(7)
+    n_layers = len(cfg.target_layer_ids)
+    lanes = []
+    for i, p in enumerate((11, 4, 30)):
+        feats = torch.randn(p, n_layers * H, generator=g)
+        backend.observe_target(f"r{i}", 0, {t: feats[:, j * H:(j + 1) * H] for j, t in enumerate(cfg.target_layer_ids)})
+        lanes.append(DraftLane(f"r{i}", 0, {}, p, int(torch.randint(0, V, (1,), generator=g)), 5))
+    assert (lane_bucket(3), lane_bucket(8), lane_bucket(9)) == (4, 8, None)
+    assert (width_bucket(30), width_bucket(64), width_bucket(65)) == (64, 64, 128)
+
+    def both(ls):
+        rows, tokens, bases, width = backend._lanes(ls)
+        static = backend.graphs.run(rows, tokens, bases, width, 5, static=True)
+        eager = backend.graphs.run(rows, tokens, bases, width, 5, static=False)
+        return static, eager, width
+
+    static, eager, _ = both(lanes)
+    assert static.shape == (3, 5) and torch.equal(static, eager)
+    hidden = backend.hidden_block(lanes, 5)
+    want = backend._pick(hidden, torch.tensor([lane.token for lane in lanes]))
+    assert torch.equal(static, want)
+    assert set(backend.graphs.graphs) == {(4, 64, 5)}
+    static2, eager2, _ = both(lanes[:2])  # a second bucket; the first one is reused below
+    assert torch.equal(static2, eager2) and torch.equal(static2, static[:2])
+    both(lanes)
+    assert set(backend.graphs.graphs) == {(4, 64, 5), (2, 64, 5)} and backend.graphs.captures == 2
+    far = DraftLane("r0", 0, {}, 70, 3, 5)  # a position past 64: the next width bucket
+    static3, eager3, width3 = both([far])
+    assert width3 == 128 and torch.equal(static3, eager3) and (1, 128, 5) in backend.graphs.graphs
+    gen = backend.store.generation
+    for i in range(3, 3 + backend.store.rows):  # more requests than rows: the store re-allocates
+        backend.observe_target(f"r{i}", 0, {t: torch.zeros(1, H) for t in cfg.target_layer_ids})
+    backend.store.flush()
+    assert backend.store.generation > gen
+    static4, eager4, _ = both(lanes)
+    assert torch.equal(static4, eager4) and torch.equal(static4, static) and set(backend.graphs.graphs) == {(4, 64, 5)}  # the old entries went
+    assert [p.tokens for p in backend.propose(lanes)] == static.tolist()
+
+
+def test_padding_lanes_and_released_rows_read_no_context():
+    """A request without context (its row released, or never observed) drafts from the scratch row:
+    the same drafts as a lane whose every context row is masked out."""
+    cfg, model = make("dflash")
+    runner = FakeRunner()
+    backend = DFlashBackend(runner, model, draft_tokens=3)
+    feats = torch.randn(8, 2 * H, generator=torch.Generator().manual_seed(4))
+    backend.observe_target("a", 0, {t: feats[:, j * H:(j + 1) * H] for j, t in enumerate(cfg.target_layer_ids)})
+    lane = DraftLane("a", 0, {}, 8, 5, 3)
+    with_ctx = backend.hidden_block([lane], 3)
+    backend.lane_finished("a")
+    without = backend.hidden_block([lane], 3)
+    sd = {k: v.float() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(without[0], direct_block(sd, cfg, feats, [False] * 8, 5, 8, 3, runner),
+                               atol=2e-4, rtol=2e-4)
+    assert not torch.allclose(with_ctx, without, atol=1e-4)
+    # the released row is handed to the next request with its valid flags cleared
+    backend.observe_target("b", 6, {t: feats[6:, j * H:(j + 1) * H] for j, t in enumerate(cfg.target_layer_ids)})
+    rows = backend.context_rows("b")
+    assert rows["n"] == 8 and rows["valid"].tolist() == [False] * 6 + [True] * 2

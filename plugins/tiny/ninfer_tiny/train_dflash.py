@@ -3,6 +3,7 @@
     python -m ninfer_tiny.train_dflash --out runs/dflash                    # the CPU recipe (minutes)
     python -m ninfer_tiny.train_dflash --recipe h200 --out runs/dflash-h200  # scripts/dflash/train_tiny_h200.sh
     ... --install    # also write both drafters into the packaged artifact (its dflash and dflash2 components)
+    ... --budget 470 # the whole run inside 470 s: data, each drafter's steps and the acceptance table cut to fit
 
 The target is the packaged ninfer-tiny artifact run through ninfer's own forward (the reference
 path; CUDA when present), so the features a drafter learns from are the ones serving hands it.
@@ -17,7 +18,11 @@ pick at a + k, weighted exp(-(k-1)/gamma) (later rows matter less: they count on
 earlier draft was accepted). DFlash2 adds the candidate selector's loss: cross-entropy over each
 row's top-k candidates, walked from the true predecessor, where the label is among them.
 
-Deterministic given --seed on the CPU. The drafters are written as published checkpoints
+With `--budget S` every phase has a share of S seconds (data 24%, DFlash 22%, DFlash2 28%, the
+acceptance table the rest): the target's rows stop at their share, a drafter's learning-rate schedule
+runs on max(step / steps, seconds / share) and stops at 1, and the acceptance table skips what no
+longer fits, so one device call of known length trains and reports. Deterministic given --seed on
+the CPU without --budget. The drafters are written as published checkpoints
 (config.json + model.safetensors in the z-lab layout) and added with `ninfer convert --dflash`.
 """
 
@@ -74,12 +79,18 @@ def load_target(artifact: str, device: str):
 
     art = Artifact.open(artifact)
     fam = PluginHost(PluginSelection.from_sources([])).family_for_architecture(art.architecture).load()()
-    runner = fam.load(art, device=device, dtype="float32")
+    # on CUDA the target runs as it serves (bf16, the GPU runner), so the drafters learn from the
+    # features serving hands them; the CPU keeps fp32
+    runner = fam.load(art, device=device, dtype="bfloat16" if str(device).startswith("cuda") else "float32")
     return art, runner
 
 
-def target_rows(runner, tokenizer, recipe: DraftRecipe, seed: int):
-    """Token rows [R, T], the target's layer features [R, T, L*H] and greedy picks [R, T]."""
+BUDGET_SHARES = {"data": 0.24, "dflash": 0.22, "dflash2": 0.28}  # the acceptance table: the rest
+
+
+def target_rows(runner, tokenizer, recipe: DraftRecipe, seed: int, seconds: float | None = None):
+    """Token rows [R, T], the target's layer features [R, T, L*H] and greedy picks [R, T] (fewer
+    rows than the recipe's when `seconds` run out first; at least 8)."""
     import torch
 
     from ninfer_core.engine.model_api import LOGITS_ALL, PREFILL, ForwardBatch, LaneSegment
@@ -96,7 +107,12 @@ def target_rows(runner, tokenizer, recipe: DraftRecipe, seed: int):
     runner.allocate_cache(pages, 1)
     groups = runner.cache_spec().group_names
     feats, picks = [], []
+    t0 = time.monotonic()
     for r in range(recipe.rows):
+        if seconds is not None and r >= 8 and time.monotonic() - t0 > seconds:
+            log(f"[dflash] target features: {r}/{recipe.rows} rows in the {seconds:.0f} s share")
+            ids = ids[:r]
+            break
         runner.reset_slot(0)
         seg = LaneSegment(0, {g: list(range(pages)) for g in groups}, 0, ids[r].tolist(), PREFILL, LOGITS_ALL,
                           tuple(recipe.target_layers))
@@ -133,14 +149,18 @@ def block_batch(ids, picks, recipe: DraftRecipe, g, device):
     return rows, anchors, torch.cat([ctx, own], -1).to(device)
 
 
-def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, seed: int, device):
-    """Train one drafter; returns its state dict (checkpoint names) and the loss history."""
+def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, seed: int, device,
+               seconds: float | None = None):
+    """Train one drafter; returns its state dict (checkpoint names) and the loss history. With
+    `seconds` the schedule runs on the larger of the step and the time fraction and ends at 1."""
     import torch
     import torch.nn.functional as F
     from ninfer_spec_dflash.config import DrafterConfig
     from ninfer_spec_dflash.model import Drafter
 
     ids, feats, picks = data
+    if str(device).startswith("cuda"):  # the features once on the device (8,192 rows: 4.3 GB in bf16)
+        feats = feats.to(device)
     cfg = DrafterConfig.from_hf(cfg_json, kind)
     vocab = runner.info.vocab_size
     torch.manual_seed(seed)
@@ -157,7 +177,7 @@ def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, see
                 p.normal_(0, 0.02)
     for p in getattr(runner, "model", torch.nn.Module()).parameters():
         p.requires_grad_(False)  # the target (its embeddings and LM head) stays frozen
-    head = runner.logits  # the target's LM head over final-normed rows
+    head = lambda h: runner.logits(h.to(runner.dtype))  # the target's LM head, in its dtype
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     s, a = recipe.block, recipe.anchors
@@ -165,8 +185,13 @@ def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, see
     history = []
     t0 = time.monotonic()
     for step in range(recipe.steps):
-        lr = recipe.lr * min(1.0, (step + 1) / recipe.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
-            math.pi * step / recipe.steps)))
+        frac = step / recipe.steps
+        if seconds is not None:
+            frac = max(frac, (time.monotonic() - t0) / seconds)
+            if frac >= 1.0:
+                log(f"[dflash] {kind}: {step} of {recipe.steps} steps in the {seconds:.0f} s share")
+                break
+        lr = recipe.lr * min(1.0, (step + 1) / recipe.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for grp in opt.param_groups:
             grp["lr"] = lr
         rows, anchors, mask = block_batch(ids, picks, recipe, g, device)
@@ -214,9 +239,13 @@ def train_kind(kind: str, recipe: DraftRecipe, runner, data, cfg_json: dict, see
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, history
 
 
-def acceptance(artifact: str, kinds, k: int, prompts: int, seed: int, max_tokens: int = 96) -> dict:
-    """Accepted tokens per round (committed per round = accepted + 1) of greedy requests through the
-    engine with each backend (and MTP), on held-out prompts; outputs must equal plain decoding."""
+def acceptance(artifact: str, kinds, ks, prompts: int, seed: int, max_tokens: int = 96,
+               deadline: float | None = None, device: str = "cpu") -> dict:
+    """{K: {backend: ...}}: accepted tokens per round (committed per round = accepted + 1) of greedy
+    requests through the engine with each backend at each K, on held-out prompts, beside plain
+    decoding (run once; outputs must equal it). A run that would start past `deadline` (a
+    time.monotonic() value) is left out and listed under "skipped". The engine runs on `device`
+    (the serving path there: bf16 and CUDA Graphs on CUDA)."""
     import argparse as ap
 
     from ninfer_core.artifact import Artifact
@@ -236,15 +265,15 @@ def acceptance(artifact: str, kinds, k: int, prompts: int, seed: int, max_tokens
     tmpl = project_template()
     reqs = [tmpl.render_ids(tok, s.prompt_messages(), tools=s.tools, add_generation_prompt=True) for s in samples]
 
-    def run(name):
-        runner = fam.load(art)
+    def run(name, k=None):
+        runner = fam.load(art, device=device)
         backend = None
         if name:
             backend = host.resolve_spec_backend(name).load().load(runner, art, ap.Namespace(draft_tokens=k))
 
         async def go():
-            eng = Engine(runner, tok, EngineOptions(max_context=2048, prefill_chunk=256, ngram_draft_tokens=0),
-                         spec=backend)
+            eng = Engine(runner, tok, EngineOptions(max_context=2048, prefill_chunk=256, ngram_draft_tokens=0,
+                                                    device=device), spec=backend)
             eng.start()
             try:
                 outs = [await collect(eng.submit(GenerationRequest(prompt_ids=p, max_tokens=max_tokens,
@@ -259,24 +288,45 @@ def acceptance(artifact: str, kinds, k: int, prompts: int, seed: int, max_tokens
         return [o.token_ids for o in outs], c, time.monotonic() - t0
 
     plain, pc, ps = run(None)
-    out = {"plain": {"seconds": ps, "decode_tok_s": pc["committed_decode_tokens"] / max(pc["decode_seconds"], 1e-9)}}
-    for name in kinds:
-        got, c, _ = run(name)
-        rounds = max(c["draft_rounds"], 1)
-        out[name] = {"k": k, "rounds": c["draft_rounds"], "drafted": c["draft_tokens"],
-                     "accepted": c["draft_accepted_tokens"],
-                     "accepted_per_round": c["draft_accepted_tokens"] / rounds,
-                     "acceptance_length": 1 + c["draft_accepted_tokens"] / rounds,
-                     "decode_tok_s": c["committed_decode_tokens"] / max(c["decode_seconds"], 1e-9),
-                     "same_as_plain": sum(a == b for a, b in zip(got, plain)), "requests": len(plain)}
-        log(f"[dflash] {name} K={k}: {out[name]['acceptance_length']:.2f} tokens per round "
-            f"({out[name]['accepted']}/{out[name]['drafted']} drafts accepted), {out[name]['decode_tok_s']:.1f} "
-            f"tok/s vs plain {out['plain']['decode_tok_s']:.1f}, {out[name]['same_as_plain']}/{len(plain)} equal")
-    return out
+    base = {"seconds": ps, "decode_tok_s": pc["committed_decode_tokens"] / max(pc["decode_seconds"], 1e-9)}
+    table = {}
+    for k in ks:
+        table[k] = {"plain": base, "skipped": []}
+        for name in kinds:
+            if deadline is not None and time.monotonic() > deadline:
+                table[k]["skipped"].append(name)
+                log(f"[dflash] {name} K={k}: skipped (the budget's acceptance share is spent)")
+                continue
+            try:
+                table[k][name] = _acceptance_row(name, k, run, plain, base)
+            # one backend failing leaves the others' rows (and the checkpoints already written)
+            except Exception as e:  # noqa: BLE001
+                log(f"[dflash] {name} K={k}: failed: {type(e).__name__}: {e}")
+                table[k]["skipped"].append(f"{name} (failed: {type(e).__name__})")
+    return table
+
+
+def _acceptance_row(name, k, run, plain, base) -> dict:
+    """One backend's row of the acceptance table (its run through `run`, compared with `plain`)."""
+    got, c, _ = run(name, k)
+    rounds = max(c["draft_rounds"], 1)
+    row = {"k": k, "rounds": c["draft_rounds"], "drafted": c["draft_tokens"],
+           "accepted": c["draft_accepted_tokens"],
+           "accepted_per_round": c["draft_accepted_tokens"] / rounds,
+           "acceptance_length": 1 + c["draft_accepted_tokens"] / rounds,
+           "decode_tok_s": c["committed_decode_tokens"] / max(c["decode_seconds"], 1e-9),
+           "same_as_plain": sum(a == b for a, b in zip(got, plain)), "requests": len(plain)}
+    log(f"[dflash] {name} K={k}: {row['acceptance_length']:.2f} tokens per round "
+        f"({row['accepted']}/{row['drafted']} drafts accepted), {row['decode_tok_s']:.1f} "
+        f"tok/s vs plain {base['decode_tok_s']:.1f}, {row['same_as_plain']}/{len(plain)} equal")
+    return row
 
 
 def train(out: Path, recipe: DraftRecipe, artifact: str, seed: int = 0, device: str | None = None,
-          eval_prompts: int = 12) -> dict:
+          eval_prompts: int = 12, budget: float | None = None, merged_dir: Path | None = None) -> dict:
+    """Collect the target's rows, train both drafters, write them as checkpoints under `out` and
+    merged into a copy of the artifact (under `merged_dir`, default `out`), then the acceptance
+    table. `budget`: seconds for the whole run (BUDGET_SHARES)."""
     import torch
     from ninfer_spec_dflash.testing import write_drafter_checkpoint
 
@@ -293,29 +343,53 @@ def train(out: Path, recipe: DraftRecipe, artifact: str, seed: int = 0, device: 
     if mask_id < tok.vocab_size:
         raise ValueError("the target has no unused vocabulary row for the mask token")
     log(f"[dflash] target {artifact}: {runner.info.n_params / 1e6:.1f} M parameters, device {dev}")
-    ids, feats, picks, convs = target_rows(runner, tok, recipe, seed + 1)
+    share = (lambda part: None) if budget is None else (lambda part: budget * BUDGET_SHARES[part])
+    ids, feats, picks, convs = target_rows(runner, tok, recipe, seed + 1, share("data"))
     log(f"[dflash] data: {ids.numel():,} tokens from {convs} conversations ({time.monotonic() - t0:.0f}s)")
     summary = {"recipe": asdict(recipe), "seed": seed, "device": dev, "artifact": artifact, "kinds": {}}
     dirs = {}
     for kind in ("dflash", "dflash2"):
         cfg = drafter_config(kind, recipe, art.config, runner.info.vocab_size, mask_id)
-        state, hist = train_kind(kind, recipe, runner, (ids, feats, picks), cfg, seed, dev)
+        state, hist = train_kind(kind, recipe, runner, (ids, feats, picks), cfg, seed, dev, share(kind))
         dirs[kind] = write_drafter_checkpoint(out / kind, cfg, state, dtype=torch.bfloat16)
         n = sum(v.numel() for v in state.values())
         summary["kinds"][kind] = {"params": n, "history": hist, "checkpoint": dirs[kind]}
         log(f"[dflash] {kind}: {n / 1e6:.2f} M parameters -> {dirs[kind]}")
-    merged = out / "ninfer-tiny.ninfer"
+    (merged_dir or out).mkdir(parents=True, exist_ok=True)
+    merged = (merged_dir or out) / "ninfer-tiny.ninfer"
     if cli(["convert", artifact, str(merged), "--dflash", dirs["dflash"], "--dflash2", dirs["dflash2"],
             "--no-progress"]) != 0:
         raise RuntimeError("ninfer convert of the drafters failed")
     summary["merged"] = str(merged)
     if eval_prompts:
-        summary["acceptance"] = {k: acceptance(str(merged), ["mtp", "dflash", "dflash2"], k, eval_prompts, seed)
-                                 for k in sorted({min(7, recipe.block - 1), min(15, recipe.block - 1)})}
+        ks = sorted({min(7, recipe.block - 1), min(15, recipe.block - 1)})
+        # the table's last run may start until 40 s before the budget's end (a run takes ~15-30 s there)
+        deadline = None if budget is None else t0 + budget - 40
+        summary["acceptance"] = acceptance(str(merged), ["mtp", "dflash", "dflash2"], ks, eval_prompts, seed,
+                                           deadline=deadline, device=dev)
+        log(acceptance_table(summary["acceptance"]))
     summary["seconds"] = time.monotonic() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     log(f"[dflash] done in {summary['seconds']:.0f}s")
     return summary
+
+
+def acceptance_table(table: dict) -> str:
+    """The acceptance table as text: tokens committed per round (accepted drafts + 1) and tok/s."""
+    lines = ["[dflash] acceptance (tokens committed per round = accepted drafts + 1; greedy, held-out prompts)",
+             f"  {'backend':8} {'K':>3} {'tok/rnd':>8} {'accepted':>12} {'tok/s':>9} {'vs plain':>9} {'same':>6}"]
+    for k, rows in table.items():
+        plain = rows["plain"]["decode_tok_s"]
+        lines.append(f"  {'plain':8} {'-':>3} {'1.00':>8} {'':>12} {plain:9.1f} {'1.00':>9} {'':>6}")
+        for name, r in rows.items():
+            if name in ("plain", "skipped"):
+                continue
+            lines.append(f"  {name:8} {k:>3} {r['acceptance_length']:8.2f} {r['accepted']:>5}/{r['drafted']:<6} "
+                         f"{r['decode_tok_s']:9.1f} {r['decode_tok_s'] / max(plain, 1e-9):9.2f} "
+                         f"{r['same_as_plain']:>3}/{r['requests']:<2}")
+        if rows.get("skipped"):
+            lines.append(f"  K={k} skipped: {', '.join(rows['skipped'])}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,9 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the acceptance table (0: none)")
     p.add_argument("--install", action="store_true", help="replace the packaged artifact with the merged one")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="the whole run inside this many seconds (data, training and the table cut to fit)")
+    p.add_argument("--merged-dir", type=Path, default=None,
+                   help="where the merged artifact goes (default: --out; keep it out of a folder that travels back)")
     a = p.parse_args(argv)
     artifact = a.artifact or str(package_artifact_path())
-    summary = train(a.out, RECIPES[a.recipe], artifact, a.seed, a.device, a.eval_prompts)
+    summary = train(a.out, RECIPES[a.recipe], artifact, a.seed, a.device, a.eval_prompts, a.budget, a.merged_dir)
     if a.install:
         dest = package_artifact_path()
         tmp = str(dest) + ".part"

@@ -112,7 +112,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         self._init_verify()
         self._verifying = False  # inside a verify body (the MoE path choice)
         # layer outputs a forward asks for (LaneSegment.hidden, e.g. a DFlash drafter's context):
-        # `_stack` stores them here, and such a forward runs without CUDA Graphs
+        # `_stack` stores them here while a body runs (a graph's capture keeps them as its outputs)
         self._taps: dict | None = None
         self.info.extra["gpu_path"] = True
         # decode linears of <= GV.MAX_ROWS rows through our GEMV (issue 21); NINFER_GEMV=0 keeps
@@ -157,7 +157,7 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
 
     @property
     def graphs_enabled(self) -> bool:
-        return self.cuda_graph and self.device.type == "cuda" and self._taps is None
+        return self.cuda_graph and self.device.type == "cuda"
 
     @property
     def _whole(self) -> bool:
@@ -250,49 +250,45 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
     def forward(self, batch: ForwardBatch) -> list[SegmentOutput]:
         self._check(batch)
         segs = batch.segments
-        layers = {h for s in segs for h in s.hidden if h != FINAL_HIDDEN}
-        if layers and all(s.side is None and s.snapshot is None for s in segs) and PREFILL not in {s.kind for s in segs}:
-            return self._forward_tapped(batch, layers)
-        plain = all(s.side is None and set(s.hidden) <= {FINAL_HIDDEN} for s in segs)
+        # layer outputs a segment asks for (a DFlash drafter's context) ride along on every fast path,
+        # CUDA Graphs included (graphs keyed by the tapped layers), so asking for them never changes the
+        # kernels, the split of a reduction or the graph a forward runs: logits are the same bits
+        taps = tuple(sorted({h for s in segs for h in s.hidden if h != FINAL_HIDDEN}))
+        plain = all(s.side is None for s in segs)
         kinds = {s.kind for s in segs}
         if plain and kinds == {DECODE}:
-            return self._decode_segments(segs)
+            return self._decode_segments(segs, taps=taps)
         rope = _decode_rope(segs) if kinds == {DECODE} else None
         if rope is not None:  # media lanes' decode: text positions, one rope offset per lane
-            return self._decode_segments(segs, rope)
+            return self._decode_segments(segs, rope, taps=taps)
         if plain and VERIFY in kinds and PREFILL not in kinds:
-            return self._verify_segments(segs)
+            return self._verify_segments(segs, taps)
         if plain and kinds == {PREFILL}:
-            return [self._prefill_segment(s) for s in segs]
+            return [self._prefill_segment(s, taps=taps) for s in segs]
         if kinds == {PREFILL}:  # a media lane's text-only chunk: the fast path with its rope offset
             offsets = [_text_rope_offset(s) for s in segs]
             if all(o is not None for o in offsets):
-                return [self._prefill_segment(s, o) for s, o in zip(segs, offsets)]
-        if VERIFY in kinds and PREFILL not in kinds and all(set(s.hidden) <= {FINAL_HIDDEN} for s in segs):
-            # side inputs (a media lane's mRoPE positions): the reference verify over the same caches;
-            # `commit` finishes it the reference way
+                return [self._prefill_segment(s, o, taps) for s, o in zip(segs, offsets)]
+        if VERIFY in kinds and PREFILL not in kinds:
+            offsets = [_text_rope_offset(s) for s in segs]
+            if all(o is not None for o in offsets):  # media lanes' verify after their media: text positions
+                return self._verify_segments(segs, taps, offsets)
+            # other side inputs: the reference verify over the same caches; `commit` finishes it the
+            # reference way
             self._last_verify = None
             return super().forward(batch)
-        if VERIFY in kinds:
-            raise NotImplementedError("a verify batch with hidden layers or prefill segments")
-        return super().forward(batch)  # side inputs / layer outputs: the reference path (same caches)
+        return super().forward(batch)  # side inputs (media rows): the reference path (same caches)
 
-    def _forward_tapped(self, batch: ForwardBatch, layers: set) -> list[SegmentOutput]:
-        """Decode / verify segments that also return layer outputs: the eager kernels with `_stack`
-        keeping each asked layer's residual stream ([rows, H], the rows in the body's order)."""
-        segs = batch.segments
-        self._taps = {i: None for i in layers}
+    def _collect_taps(self, taps: tuple, fn):
+        """Run `fn` with `_stack` keeping the residual stream of each layer in `taps` -> (fn's
+        result, {layer: [rows, H]} in the body's row order)."""
+        if not taps:
+            return fn(), {}
+        self._taps = {i: None for i in taps}
         try:
-            outs = (self._decode_segments(segs) if {s.kind for s in segs} == {DECODE}
-                    else self._verify_segments(segs))
-            taps = self._taps
+            return fn(), self._taps
         finally:
             self._taps = None
-        t = 1 if {s.kind for s in segs} == {DECODE} else max(len(s.tokens) for s in segs)
-        for i, (s, o) in enumerate(zip(segs, outs)):
-            rows = slice(i * t, i * t + len(s.tokens))
-            o.hidden.update({h: taps[h][rows].clone() for h in s.hidden if h != FINAL_HIDDEN})
-        return outs
 
     @torch.inference_mode()
     def forward_stage(self, batch: ForwardBatch, hidden: torch.Tensor | None = None):
@@ -341,14 +337,17 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
             off += len(s)
         return parts if self.model.last else torch.cat(parts)
 
-    def _prefill_segment(self, s: LaneSegment, rope_offset: int = 0) -> SegmentOutput:
+    def _prefill_segment(self, s: LaneSegment, rope_offset: int = 0, taps: tuple = ()) -> SegmentOutput:
         seg = Segment(slot=s.slot, pages=list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values()))),
                       start=s.start, length=len(s.tokens), offset=0)
         ids = torch.tensor([int(t) for t in s.tokens], dtype=torch.int64, device=self.device)
-        hidden = self._prefill_body(seg, ids, snap=s.snapshot, rope_offset=rope_offset)
+        hidden, got = self._collect_taps(taps, lambda: self._prefill_body(seg, ids, snap=s.snapshot,
+                                                                          rope_offset=rope_offset))
         if self.draft is not None:
             self._prefill_ride_along(s, ids, hidden)
-        return self._output(s, hidden)
+        out = self._output(s, hidden)
+        out.hidden.update({h: got[h] for h in s.hidden if h != FINAL_HIDDEN})
+        return out
 
     def _output(self, s: LaneSegment, hidden: torch.Tensor) -> SegmentOutput:
         logits = None
@@ -375,25 +374,31 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         self.cache.hidden[s.slot] = hidden[-1]
 
     # ---- decode -----------------------------------------------------------------------------------
-    def _decode_segments(self, segs: list[LaneSegment], rope: list[int] | None = None) -> list[SegmentOutput]:
-        """`rope`: each lane's rope position when it is not the lane's index (media lanes)."""
+    def _decode_segments(self, segs: list[LaneSegment], rope: list[int] | None = None,
+                         taps: tuple = ()) -> list[SegmentOutput]:
+        """`rope`: each lane's rope position when it is not the lane's index (media lanes); `taps`:
+        the layer outputs to return beside (the graph of the batch width and those layers)."""
         rows = [self._segment_of(s, i) for i, s in enumerate(segs)]
         tokens = [int(s.tokens[0]) for s in segs]
         b = len(rows)
         if b <= MAX_GRAPH_BATCH and self.graphs_enabled:
             self._fill_meta(rows, tokens, self.table_width, rope)
-            graph, logits, hidden = self._graph(b)
+            graph, logits, hidden, got = self._graph(b, taps)
             graph.replay()
             logits, hidden = logits[:b].clone(), hidden[:b]
         else:
             width = max(-(-(s.start + 1) // self.cache.page_size) for s in rows)
             meta = self._build_meta(rows, tokens, width, rope=rope).to(self.device)
-            hidden = self._decode_body(b, meta, width)
+            hidden, got = self._collect_taps(taps, lambda: self._decode_body(b, meta, width))
             logits = self._logits(hidden)
-        return [SegmentOutput(logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL
-                                                                        else None),
-                              {FINAL_HIDDEN: hidden[i: i + 1].clone()} if FINAL_HIDDEN in s.hidden else {})
-                for i, s in enumerate(segs)]
+        outs = []
+        for i, s in enumerate(segs):
+            lg = logits[i] if s.logits == LOGITS_LAST else (logits[i: i + 1] if s.logits == LOGITS_ALL else None)
+            hid = {h: got[h][i: i + 1].clone() for h in s.hidden if h != FINAL_HIDDEN}
+            if FINAL_HIDDEN in s.hidden:
+                hid[FINAL_HIDDEN] = hidden[i: i + 1].clone()
+            outs.append(SegmentOutput(lg, hid))
+        return outs
 
     def _segment_of(self, s: LaneSegment, offset: int) -> Segment:
         pages = list(s.tables.get(ATTN_GROUP) or next(iter(s.tables.values())))
@@ -421,8 +426,11 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         self._build_meta(segs, tokens, width, out=self._meta_host, rope=rope)
         self._meta.copy_(self._meta_host)
 
-    def _graph(self, b: int):
-        hit = self._graphs.get(b)
+    def _graph(self, b: int, taps: tuple = ()):
+        """The decode graph of b lanes (keyed b; (b, taps) when it also returns layer outputs) ->
+        (graph, logits, hidden, {layer: output rows})."""
+        key = (b, taps) if taps else b
+        hit = self._graphs.get(key)
         if hit is not None:
             return hit
         # warm-up on scratch: every lane points at the scratch slot and page
@@ -439,21 +447,21 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._logits(self._decode_body(b, meta, self.table_width))
+                self._logits(self._collect_taps(taps, lambda: self._decode_body(b, meta, self.table_width))[0])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self._decode_body(b, meta, self.table_width)
+            hidden, got = self._collect_taps(taps, lambda: self._decode_body(b, meta, self.table_width))
             logits = self._logits(hidden)
         self._meta_host[:b] = saved
         meta.copy_(self._meta_host)
         self._reset_scratch()
         torch.cuda.synchronize(self.device)
-        self._graphs[b] = (graph, logits, hidden)
-        log.info("captured decode graph for batch width %d", b)
-        return graph, logits, hidden
+        self._graphs[key] = (graph, logits, hidden, got)
+        log.info("captured decode graph for batch width %d%s", b, f" (layer outputs {list(taps)})" if taps else "")
+        return graph, logits, hidden, got
 
     def _reset_scratch(self) -> None:
         for t in self.cache.slot_tensors().values():
@@ -551,7 +559,10 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         kc, vc = self.cache.kv[i]
         q = K.qk_norm_rope_kv(q, k, v, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps,
                               kc, vc, wpage, wrow)
-        return self._module(mod.o_proj, K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate))
+        # pages per split from the pool's table width, as the graphs (whose table is that wide) split:
+        # an eager step (more than 8 lanes, a long verify) then reduces in the graph's order
+        pps = K.decode_split_pages(self.table_width)
+        return self._module(mod.o_proj, K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate, pps))
 
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
@@ -667,8 +678,6 @@ def _decode_rope(segs) -> list[int] | None:
     one text position (equal on mRoPE's three axes); None when any lane needs the reference path."""
     out = []
     for s in segs:
-        if set(s.hidden) - {FINAL_HIDDEN}:
-            return None
         side = s.side
         if side is None:
             out.append(s.start)
@@ -685,8 +694,6 @@ def _decode_rope(segs) -> list[int] | None:
 def _text_rope_offset(s) -> int | None:
     """The rope offset of a segment whose side inputs are text positions only (equal on the three
     mRoPE axes and consecutive): position - index; 0 without side inputs; None otherwise."""
-    if set(s.hidden) - {FINAL_HIDDEN}:
-        return None
     side = s.side
     if side is None:
         return 0

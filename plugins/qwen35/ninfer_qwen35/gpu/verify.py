@@ -33,7 +33,7 @@ class VerifyMixin:
     verify_mode = "recompute"  # or "positions" (chosen by measurement: scripts/gpu_check.py --spec-bench)
 
     def _init_verify(self) -> None:
-        self._vgraphs: dict[tuple[int, int], dict] = {}
+        self._vgraphs: dict[tuple, dict] = {}  # by (lanes, rows, tapped layers)
         self._last_verify: dict | None = None
 
     def _drop_verify_graphs(self) -> None:
@@ -41,17 +41,21 @@ class VerifyMixin:
         self._last_verify = None
 
     # ---- metadata ---------------------------------------------------------------------------------
-    def _verify_meta(self, segs, t: int, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _verify_meta(self, segs, t: int, width: int, out: torch.Tensor | None = None,
+                     offsets: list[int] | None = None) -> torch.Tensor:
+        """`offsets`: per lane, rope position minus index (a media lane's text after its media);
+        the position column then carries the rope position, the KV write and length the index."""
         ps, scratch = self.cache.page_size, self.scratch_page
         rows = []
-        for s in segs:
+        for li, s in enumerate(segs):
+            off = offsets[li] if offsets else 0
             pages = list(next(iter(s.tables.values())))
             for j in range(t):
                 if j < len(s.tokens):
                     pos = s.start + j
                     need = pos // ps + 1
                     table = pages[:need] + [scratch] * (width - need)
-                    rows.append([int(s.tokens[j]), pos, s.slot, pos + 1, pages[pos // ps], pos % ps, *table])
+                    rows.append([int(s.tokens[j]), pos + off, s.slot, pos + 1, pages[pos // ps], pos % ps, *table])
                 else:  # padding: attends to one scratch key, writes the scratch page
                     rows.append([0, 0, self.scratch_slot, 1, scratch, 0, *([scratch] * width)])
         meta = torch.tensor(rows, dtype=torch.int64)
@@ -61,29 +65,33 @@ class VerifyMixin:
         return meta
 
     # ---- verify ------------------------------------------------------------------------------------
-    def _verify_segments(self, segs) -> list[SegmentOutput]:
+    def _verify_segments(self, segs, taps: tuple = (), offsets: list[int] | None = None) -> list[SegmentOutput]:
+        """`taps`: layer outputs returned beside the logits (the graph of (B, T, taps)); `offsets`:
+        per lane rope offsets (media lanes, see `_verify_meta`)."""
         from ninfer_core.engine.model_api import DECODE
 
-        decode = [s for s in segs if s.kind == DECODE]
+        decode = [i for i, s in enumerate(segs) if s.kind == DECODE]
         if decode:  # a decode lane in a verify batch: its own (graphed) decode step, no commit
-            done = dict(zip((id(s) for s in decode), self._decode_segments(decode)))
-            rest = [s for s in segs if s.kind != DECODE]
-            got = dict(zip((id(s) for s in rest), self._verify_segments(rest)))
-            return [done.get(id(s)) or got[id(s)] for s in segs]
+            rest = [i for i, s in enumerate(segs) if s.kind != DECODE]
+            pick = lambda idx, xs: [xs[i] for i in idx] if xs else None
+            rope = [segs[i].start + offsets[i] for i in decode] if offsets else None
+            done = dict(zip(decode, self._decode_segments(pick(decode, segs), rope, taps)))
+            got = dict(zip(rest, self._verify_segments(pick(rest, segs), taps, pick(rest, offsets))))
+            return [done[i] if i in done else got[i] for i in range(len(segs))]
         b, t = len(segs), max(len(s.tokens) for s in segs)
         slots = [s.slot for s in segs]
         if self.graphs_enabled and b <= MAX_VERIFY_GRAPH_B and t <= MAX_VERIFY_GRAPH_T:
-            g = self._verify_graph(b, t)
-            self._verify_meta(segs, t, self.table_width, out=g["meta_host"])
+            g = self._verify_graph(b, t, taps)
+            self._verify_meta(segs, t, self.table_width, out=g["meta_host"], offsets=offsets)
             g["meta"].copy_(g["meta_host"], non_blocking=True)
             g["slots"].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
             g["graph"].replay()
-            logits, hidden, saved = g["logits"], g["hidden"], g["saved"]
+            logits, hidden, saved, tapped = g["logits"], g["hidden"], g["saved"], g["taps"]
         else:
             width = max(-(-s.end // self.cache.page_size) for s in segs)
-            meta = self._verify_meta(segs, t, width).to(self.device)
+            meta = self._verify_meta(segs, t, width, offsets=offsets).to(self.device)
             lane_slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
-            hidden, saved = self._verify_body(b, t, meta, width, lane_slots)
+            (hidden, saved), tapped = self._collect_taps(taps, lambda: self._verify_body(b, t, meta, width, lane_slots))
             logits = self.model.logits(hidden)
             g = None
         self._last_verify = {"b": b, "t": t, "slots": slots, "saved": saved, "hidden": hidden, "graph": g}
@@ -98,7 +106,10 @@ class VerifyMixin:
                 lg = logits[rows].clone()
             elif s.logits == LOGITS_LAST:
                 lg = logits[i * t + n - 1].clone()
-            outs.append(SegmentOutput(lg, {FINAL_HIDDEN: hidden[rows].clone()} if FINAL_HIDDEN in s.hidden else {}))
+            hid = {h: tapped[h][rows].clone() for h in s.hidden if h != FINAL_HIDDEN}
+            if FINAL_HIDDEN in s.hidden:
+                hid[FINAL_HIDDEN] = hidden[rows].clone()
+            outs.append(SegmentOutput(lg, hid))
         return outs
 
     def _verify_stage(self, segs, hidden: torch.Tensor | None):
@@ -220,8 +231,10 @@ class VerifyMixin:
             self.cache.hidden.index_copy_(0, lane_slots, hidden.index_select(0, rows).to(self.cache.hidden.dtype))
 
     # ---- graphs --------------------------------------------------------------------------------------
-    def _verify_graph(self, b: int, t: int) -> dict:
-        hit = self._vgraphs.get((b, t))
+    def _verify_graph(self, b: int, t: int, taps: tuple = ()) -> dict:
+        """The verify and commit graphs of b lanes x t rows (and the layer outputs `taps`, kept as
+        the graph's outputs like its logits), captured on first use."""
+        hit = self._vgraphs.get((b, t, taps))
         if hit is not None:
             return hit
         torch.cuda.synchronize(self.device)
@@ -240,7 +253,7 @@ class VerifyMixin:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up on the scratch slot and page (Triton compiles, cuBLAS picks)
-                hidden, saved = self._verify_body(b, t, meta, width, slots)
+                (hidden, saved), _ = self._collect_taps(taps, lambda: self._verify_body(b, t, meta, width, slots))
                 self.model.logits(hidden)
                 self._commit_body(b, t, slots, kept, saved, hidden)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -248,7 +261,7 @@ class VerifyMixin:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden, saved = self._verify_body(b, t, meta, width, slots)
+            (hidden, saved), tapped = self._collect_taps(taps, lambda: self._verify_body(b, t, meta, width, slots))
             logits = self.model.logits(hidden)
         commit_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(commit_graph, pool=self._pool):
@@ -256,7 +269,8 @@ class VerifyMixin:
         self._reset_scratch()
         torch.cuda.synchronize(self.device)
         g = {"graph": graph, "commit_graph": commit_graph, "meta": meta, "meta_host": meta_host, "slots": slots,
-             "kept": kept, "kept_host": kept_host, "logits": logits, "hidden": hidden, "saved": saved}
-        self._vgraphs[(b, t)] = g
+             "kept": kept, "kept_host": kept_host, "logits": logits, "hidden": hidden, "saved": saved,
+             "taps": tapped}
+        self._vgraphs[(b, t, taps)] = g
         log.info("captured verify and commit graphs for %d lanes x %d tokens", b, t)
         return g
