@@ -282,7 +282,7 @@ def tune(cands: list, run, q, s) -> tuple:
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile: not a candidate
             log.debug("quant gemv config %s skipped: %s", cfg, e)
             continue
-        times[cfg] = replay_ms(lambda cfg=cfg: [run(cfg, qc, sc) for _ in range(reps) for qc, sc in ws],
+        times[cfg] = replay_ms(lambda cfg=cfg, ws=ws: [run(cfg, qc, sc) for _ in range(reps) for qc, sc in ws],
                                q.device) / (reps * len(ws))
     del ws
     best = min(times, key=times.get) if times else cands[0]
