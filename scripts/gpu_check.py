@@ -49,8 +49,11 @@ of the kernels, the MoE paths, graph replay and the engine's 8-concurrent greedy
 GEMV on, then `ninfer bench` decode b1 and b8 for each shape with NINFER_GEMV=1 and 0 (no prefill,
 transformers or HTTP parts), as far as --budget allows (about 7 minutes for the three shapes).
 
-Quantisation (issue 22): `--order quant` (under 5 minutes: --quant-budget 270 s) runs the quantised
-KV attention and dequantising GEMV/GEMM tests on CUDA, then benches the 9B and 27B shapes with bf16,
+Quantisation (issue 22): `--order quant` (under 6 minutes: --quant-budget 340 s) runs
+scripts/quant_kernels.py's kernel table (GB/s of packed bytes the decode GEMV reads per layer weight
+of each shape, int8 and int4 at M = 1 and 8, against the read stream of the same run; one prefill
+chunk through the scratch + cuBLAS path and the Triton GEMM against bf16), the quantised KV
+attention and dequantising GEMV/GEMM tests on CUDA, then benches the 9B and 27B shapes with bf16,
 int8 and int4 weights (decode b1 against the packed-byte floor, prefill 4096 against bf16, the
 tokens `--kv-capacity auto` fits with bf16 / int8 / k8v4 KV) and the 9B shape's decode with int8
 KV pages after 16k tokens.
@@ -127,7 +130,9 @@ def main() -> int:
     ap.add_argument("--gemma4-tests-timeout", type=float, default=150, help="seconds at most for its tests")
     ap.add_argument("--quant-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b"],
                     help="shapes of the quantisation part (--order quant)")
-    ap.add_argument("--quant-budget", type=float, default=270, help="seconds for the quantisation part")
+    ap.add_argument("--quant-budget", type=float, default=340, help="seconds for the quantisation part")
+    ap.add_argument("--quant-kernel-budget", type=float, default=70,
+                    help="seconds for scripts/quant_kernels.py's decode table (--order quant)")
     ap.add_argument("--decode-shapes", nargs="*", default=["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"],
                     help="shapes of the decode part (--order decode)")
     ap.add_argument("--decode-kernel-budget", type=float, default=90,
@@ -351,9 +356,16 @@ def main() -> int:
         def left():
             return min(a.quant_budget - (time.monotonic() - t0), a.budget - (time.monotonic() - t_start))
 
+        kb = min(a.quant_kernel_budget, max(20, left() - 240))
+        rc, dt, text = run([sys.executable, "scripts/quant_kernels.py", "--budget", str(kb), "--json",
+                            os.path.join(a.out, "quant-kernels.json"), "--shapes", *a.quant_shapes],
+                           os.path.join(a.out, "quant-kernels.log"), kb + 60)
+        summary.append(f"== quant kernels rc={rc} in {dt:.0f} s")
+        start = text.find("quant kernels: read")
+        summary.append(text[start:].strip() if start >= 0 else text[-3000:])
         rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             "tests/test_quant_kv_attention.py", "tests/test_quant.py", "-k", "cuda"],
-                           os.path.join(a.out, "quant-tests.log"), min(75, max(30, left() - 150)))
+                           os.path.join(a.out, "quant-tests.log"), min(100, max(30, left() - 150)))
         summary.append(f"== quant CUDA tests rc={rc} in {dt:.0f} s")
         summary.extend(ln for ln in text.splitlines() if ln.startswith("QUANT ") or " passed" in ln or " failed" in ln)
         if rc != 0:

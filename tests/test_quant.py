@@ -96,13 +96,14 @@ KERNEL_CASE = r"""
 import torch
 from ninfer_core.quant.encodings import parse_encoding
 from ninfer_core.quant.weight import QuantizedWeight, reference_linear, quantized_linear
-from ninfer_core.quant.kernels import triton_linear
+from ninfer_core.quant.kernels import triton_linear, dequantize_rows
+from ninfer_core.quant import qgemv as QG
 g = torch.Generator().manual_seed(0)
 for name in ["int8-g32", "int4-g64", "q6-g32", "fp8_e4m3-row", "fp8_e4m3-g32"]:
     enc = parse_encoding(name)
     w = torch.randn(40, 192, generator=g)
     qw = QuantizedWeight.from_float(w, enc)
-    for m, cfg in ((1, None), (3, ("gemv", 16, 64)), (1, ("gemm", 16, 16, 64)), (20, None)):
+    for m, cfg in ((1, None), (3, ("gemv", 16, 64)), (1, ("gemm", 16, 16, 64)), (20, None), (20, ("scratch",))):
         x = torch.randn(m, 192, generator=g)
         ref = reference_linear(x, qw)
         got = triton_linear(x, qw, cfg)
@@ -115,6 +116,25 @@ for name in ["int8-g32", "int4-g64", "q6-g32", "fp8_e4m3-row", "fp8_e4m3-g32"]:
     assert float((quantized_linear(x, qw) - ref).abs().max()) < 1e-4 * float(ref.abs().max()), name
     xb = x.to(torch.bfloat16)
     qb = QuantizedWeight.from_float(w, enc, dtype=torch.bfloat16)
+    rb = reference_linear(xb, qb).float()
+    assert float((triton_linear(xb, qb).float() - rb).abs().max()) <= 0.01 * float(rb.abs().max()), name
+# the decode GEMV on every path: K split across programs (the last one sums the partials), a K
+# the tile does not divide, the FMA path, 1..8 rows read by the same programs; the streaming
+# dequantiser of the scratch path equals the reference exactly
+for name in ["int8-g32", "int4-g64", "int4-g128", "fp8_e4m3-row", "fp8_e4m3-g32"]:
+    enc = parse_encoding(name)
+    for n, k in ((40, 256), (33, 384 if "g128" in name else 320)):
+        qw = QuantizedWeight.from_float(torch.randn(n, k, generator=g), enc)
+        assert torch.equal(dequantize_rows(qw, torch.float32), qw.dequantize())
+        for m, cfg in ((1, QG.Config(16, 64, 1, 1, 4, dot=False, split=2)), (3, QG.Config(16, 64, 1, 1, 4, split=3)),
+                       (8, QG.Config(16, 128, 1, 1, 4, split=2)), (5, QG.Config(32, 64, 1, 1, 4)),
+                       (12, ("gemm", 16, 16, 64))):
+            x = torch.randn(m, k, generator=g)
+            ref = reference_linear(x, qw)
+            err = float((triton_linear(x, qw, cfg) - ref).abs().max())
+            assert err < 1e-4 * max(1.0, float(ref.abs().max())), (name, n, k, m, cfg, err)
+    xb = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    qb = QuantizedWeight.from_float(torch.randn(n, k, generator=g), enc, dtype=torch.bfloat16)
     rb = reference_linear(xb, qb).float()
     assert float((triton_linear(xb, qb).float() - rb).abs().max()) <= 0.01 * float(rb.abs().max()), name
 print("kernels ok")
@@ -182,17 +202,51 @@ def test_kv_dtypes_are_registered_through_the_hook():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dequantising_kernels_on_cuda_at_a_9b_projection_shape():
-    """The GEMV (decode rows) and GEMM (prefill rows) in bf16 on CUDA against the reference
-    (scripts/gpu_check.py --order quant)."""
+    """The GEMV (decode rows, tuned), the Triton GEMM and the scratch + cuBLAS path (prefill rows)
+    in bf16 on CUDA against the reference (scripts/gpu_check.py --order quant)."""
     from ninfer_core.quant.kernels import triton_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 4096, generator=g, device="cuda") * 0.02
     for name in ("int8-g128", "int4-g64", "int4-g128", "fp8_e4m3-row"):
         qw = QuantizedWeight.from_float(w, parse_encoding(name), dtype=torch.bfloat16)
-        for m in (1, 8, 300):
+        for m, cfg in ((1, None), (2, None), (8, None), (300, ("gemm", 128, 128, 64)), (300, ("scratch",)),
+                       (1024, None)):
             x = torch.randn(m, 4096, generator=g, device="cuda").to(torch.bfloat16)
             ref = reference_linear(x.float(), qw.to(dtype=torch.float32)).float()
-            err = float((triton_linear(x, qw).float() - ref).abs().max() / ref.abs().max())
-            print(f"QUANT linear {name} m={m} on CUDA: rel err {err:.1e}")
+            err = float((triton_linear(x, qw, cfg).float() - ref).abs().max() / ref.abs().max())
+            print(f"QUANT linear {name} m={m} {cfg[0] if cfg else 'auto'} on CUDA: rel err {err:.1e}")
             assert err < 2e-2, (name, m, err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quant_gemv_is_batch_invariant_and_replays_in_a_cuda_graph():
+    """One config per weight for every row count: a row's output has the same bits alone or among
+    eight; a graph of split-K launches replays to the eager result (the counters reset)."""
+    from ninfer_core.quant import qgemv as QG
+    from ninfer_core.quant.kernels import triton_linear
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, n, k in (("int8-g128", 4096, 12288), ("int4-g64", 1024, 4096)):  # 1024 rows: K split
+        qw = QuantizedWeight.from_float(torch.randn(n, k, generator=g, device="cuda") * 0.02, parse_encoding(name),
+                                        dtype=torch.bfloat16)
+        x = torch.randn(8, k, generator=g, device="cuda").to(torch.bfloat16)
+        eight = triton_linear(x, qw)
+        for m in (1, 3):
+            assert torch.equal(triton_linear(x[:m].clone(), qw), eight[:m]), (name, m)
+        cfg = QG.Config(32, 256, 4, 2, 4, split=4)
+        eager = triton_linear(x, qw, cfg)
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            triton_linear(static_x, qw, cfg)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            out = triton_linear(static_x, qw, cfg)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), name
+        print(f"QUANT gemv {name} {n}x{k}: batch invariant, graph replay equal; tuned {QG.tuned()}")

@@ -85,6 +85,24 @@ for fmt in (INT8, FP8, K8V4):
             want = KA.ref_paged_prefill_attention(q, fmt, k, v, ks, vs, pages, start, 0.2).float()
             err = float((got - want).abs().max())
             assert err < tol * max(1.0, float(want.abs().max())), (fmt.name, dtype, start, t, "prefill", err)
+# the fused page write stores the torch write's bits (data and scales), a zero row included (fp8:
+# on CUDA only, test_fused_write_on_cuda: the interpreter's float8 cast rounds some values a binade low)
+from ninfer_core.quant.kv import write_rows
+for fmt in (INT8, K8V4):
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        kx = (torch.randn(9, T.KVH, T.D, generator=g) * 5).to(dtype)
+        vx = torch.randn(9, T.KVH, T.D, generator=g).to(dtype)
+        kx[4] = 0
+        pages, rows = torch.tensor([0, 2, 2, 1, 0, 3, 3, 1, 2]), torch.tensor([0, 5, 6, 15, 3, 0, 1, 2, 9])
+        outs = []
+        for fused in (True, False):
+            k, ks = fmt.allocate(fmt.k_kind, 4, T.PAGE, T.KVH, T.D, dtype, "cpu")
+            v, vs = fmt.allocate(fmt.v_kind, 4, T.PAGE, T.KVH, T.D, dtype, "cpu")
+            write_rows(fmt, k, v, ks, vs, pages, rows, kx, vx, fused=fused)
+            outs.append([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (k, v, ks, vs)])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (fmt.name, dtype)
 print("kernels ok")
 """
 
@@ -125,3 +143,23 @@ def test_kernels_on_cuda_at_the_qwen35_27b_attention_shape():
         e2 = float((got - want).abs().max() / want.abs().max())
         print(f"QUANT kv attention {fmt.name} on CUDA: decode rel err {e1:.1e}, prefill rel err {e2:.1e}")
         assert e1 < 2e-2 and e2 < 2e-2, (fmt.name, e1, e2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_write_on_cuda_stores_the_torch_writes_bits():
+    for fmt in (INT8, FP8, K8V4):
+        g = torch.Generator(device="cuda").manual_seed(4)
+        kx = (torch.randn(40, 4, 256, generator=g, device="cuda") * 7).to(torch.bfloat16)
+        vx = torch.randn(40, 4, 256, generator=g, device="cuda").to(torch.bfloat16)
+        kx[3] = 0
+        pages = torch.arange(40, device="cuda") % 6  # distinct (page, row) pairs
+        rows = torch.arange(40, device="cuda") % 64
+        outs = []
+        for fused in (True, False):
+            k, ks = fmt.allocate(fmt.k_kind, 6, 64, 4, 256, torch.bfloat16, "cuda")
+            v, vs = fmt.allocate(fmt.v_kind, 6, 64, 4, 256, torch.bfloat16, "cuda")
+            write_rows(fmt, k, v, ks, vs, pages, rows, kx, vx, fused=fused)
+            outs.append([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (k, v, ks, vs)])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), fmt.name
+        print(f"QUANT fused KV write {fmt.name} on CUDA: same bits as the torch write")

@@ -140,9 +140,17 @@ def page_views(fmt: KVFormat, k, v, k_scale, v_scale, dtype):
     return kk, vv
 
 
-def write_rows(fmt: KVFormat, k_cache, v_cache, k_scale, v_scale, page_t, row_t, k, v) -> None:
-    """Store new tokens' K, V [N, kv_heads, head_dim] at (page, row) in the layer's format."""
+def write_rows(fmt: KVFormat, k_cache, v_cache, k_scale, v_scale, page_t, row_t, k, v, fused: bool = True) -> None:
+    """Store new tokens' K, V [N, kv_heads, head_dim] at (page, row) in the layer's format (on CUDA
+    or under the interpreter by one Triton launch, `kv_attention.fused_write_rows`, same bits)."""
     import torch
+
+    if fused and fmt.quantized and k.shape == v.shape:
+        from ninfer_core.quant import kv_attention as KA
+
+        if KA.fused_write_supported(k, k_cache) and v.stride(-1) == 1 and k.device == k_cache.device:
+            KA.fused_write_rows(fmt, k_cache, v_cache, k_scale, v_scale, page_t, row_t, k, v)
+            return
 
     for kind, cache, scale, x in ((fmt.k_kind, k_cache, k_scale, k), (fmt.v_kind, v_cache, v_scale, v)):
         if scale is None:

@@ -260,3 +260,87 @@ def paged_prefill_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, pages, sta
         num_warps=8 if q.is_cuda else 1, num_stages=2 if q.is_cuda else 1,
     )
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the fused page write: quantise new tokens' K and V rows where they are stored
+# ------------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_even(y):
+        # round half to even (torch.round) for |y| < 2^22: adding 1.5 * 2^23 leaves no fraction bits
+        return (y + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _write_side(X, C, CS, tok, h, page, row, s_xt, s_xh, s_cp, s_cr, s_ch, ss_p, ss_r, ss_h,
+                    D: tl.constexpr, KIND: tl.constexpr):
+        src = X + tok * s_xt + h * s_xh
+        dst = C + page * s_cp + row * s_cr + h * s_ch
+        if KIND == 0:
+            d = tl.arange(0, D)
+            tl.store(dst + d, tl.load(src + d).to(C.dtype.element_ty))
+        elif KIND == 3:  # int4: byte j = (even column + 8) | (odd column + 8) << 4
+            j = tl.arange(0, D // 2)
+            xe = tl.load(src + 2 * j).to(tl.float32)
+            xo = tl.load(src + 2 * j + 1).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xe), 0), tl.max(tl.abs(xo), 0))
+            s = tl.where(amax > 0, tl.div_rn(amax, 7.0), 1.0)
+            qe = tl.minimum(tl.maximum(_round_even(tl.div_rn(xe, s)), -8.0), 7.0).to(tl.int32) + 8
+            qo = tl.minimum(tl.maximum(_round_even(tl.div_rn(xo, s)), -8.0), 7.0).to(tl.int32) + 8
+            tl.store(dst + j, (qe | (qo << 4)).to(tl.uint8))
+            tl.store(CS + page * ss_p + row * ss_r + h * ss_h, s)
+        else:
+            d = tl.arange(0, D)
+            x = tl.load(src + d).to(tl.float32)
+            amax = tl.max(tl.abs(x), 0)
+            if KIND == 1:
+                s = tl.where(amax > 0, tl.div_rn(amax, 127.0), 1.0)
+                q = tl.minimum(tl.maximum(_round_even(tl.div_rn(x, s)), -127.0), 127.0)
+                tl.store(dst + d, q.to(tl.int8))
+            else:
+                s = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+                y = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
+                tl.store(dst + d, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(CS + page * ss_p + row * ss_r + h * ss_h, s)
+
+    @triton.jit
+    def _qwrite_kernel(KX, VX, KC, VC, KS, VS, PAGE_T, ROW_T, s_kt, s_kh, s_vt, s_vh,
+                       s_kp, s_kr, s_kh2, s_vp, s_vr, s_vh2, ss_p, ss_r, ss_h,
+                       D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr):
+        tok = tl.program_id(0)
+        h = tl.program_id(1)
+        page = tl.load(PAGE_T + tok).to(tl.int64)
+        row = tl.load(ROW_T + tok).to(tl.int64)
+        _write_side(KX, KC, KS, tok, h, page, row, s_kt, s_kh, s_kp, s_kr, s_kh2, ss_p, ss_r, ss_h, D, KK)
+        _write_side(VX, VC, VS, tok, h, page, row, s_vt, s_vh, s_vp, s_vr, s_vh2, ss_p, ss_r, ss_h, D, VK)
+
+
+def fused_write_supported(k, k_cache) -> bool:
+    d = k.shape[-1]
+    return HAVE_TRITON and use_triton(k) and k.dim() == 3 and d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1
+
+
+def fused_write_rows(fmt: KVFormat, k_cache, v_cache, k_scale, v_scale, page_t, row_t, k, v) -> None:
+    """`ninfer_core.quant.kv.write_rows` in one launch (a program per token and KV head quantises
+    its K and V rows and stores data and scale): the torch version is about twenty launches per
+    layer and step. Same bits as the torch version (round half to even, IEEE divisions)."""
+    n, kvh, d = k.shape
+    if n == 0:
+        return
+    if not k.is_cuda and "fp8" in (fmt.k_kind, fmt.v_kind):  # the interpreter's float8 cast is not RTNE
+        from ninfer_core.quant.kv import write_rows
+
+        write_rows(fmt, k_cache, v_cache, k_scale, v_scale, page_t, row_t, k, v, fused=False)
+        return
+    kc, vc, ks, vs, kk, vk = _kernel_args(fmt, k_cache, v_cache, k_scale, v_scale)
+    page_t = page_t.reshape(-1)
+    row_t = row_t.reshape(-1)
+    if not page_t.is_contiguous():
+        page_t = page_t.contiguous()
+    if not row_t.is_contiguous():
+        row_t = row_t.contiguous()
+    _qwrite_kernel[(n, kvh)](
+        k, v, kc, vc, ks, vs, page_t, row_t, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), D=d, KK=kk, VK=vk, num_warps=1)

@@ -27,6 +27,17 @@ class QuantizedWeight:
         self.in_features = int(in_features)
         self.dtype = dtype  # the compute dtype: what dequantisation produces and linear returns
         self.shape = torch.Size((*qdata.shape[:-1], self.in_features))
+        self._kops = None
+
+    @property
+    def kernel_operands(self):
+        """(packed rows, scales) as the Triton kernels read them (fp8 as bytes, rows contiguous),
+        made once: the per-call views and checks were host time on every eager prefill linear."""
+        if self._kops is None and self.dim() == 2:
+            from ninfer_core.quant.kernels import kernel_operands
+
+            self._kops = kernel_operands(self)
+        return self._kops
 
     @classmethod
     def from_float(cls, w: torch.Tensor, enc: Encoding, scale_dtype=torch.bfloat16, dtype=None):

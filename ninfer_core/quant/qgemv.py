@@ -1,0 +1,327 @@
+"""Decode GEMV for encoded weights (int8 / int4 / fp8, groupwise or per row): y = x @ dequant(W)^T
+for 1..8 activation rows, written to stream the packed bytes at the read rate (issue 22).
+
+What the earlier kernel did wrong, and what this one does instead:
+
+- it ran one program per (block of rows, activation row), so at 8 rows every weight byte was read
+  8 times; here one program covers all rows of x (the tensor-core "swap AB" skinny GEMM: W's rows
+  are the MMA's M side, x^T padded to 16 columns is the N side), so W is read once per call;
+- it loaded one scale per element (a gather the compiler cannot vectorise); here a weight tile is a
+  3-D block [BLOCK_N, GPI, GC] (GPI groups of GC columns, each inside one scale group) whose scales
+  are one [BLOCK_N, GPI] load broadcast over the group's columns, and the packed bytes along the
+  last axis are contiguous, so they load as 16-byte vectors (int4: whole bytes, unpacked in
+  registers and interleaved back into column order);
+- it converted every value with an int-to-float instruction (a quarter-rate conversion unit on the
+  H200, about the stream rate of int8 elements by itself); here the packed integer goes into the
+  mantissa of 2^23 and one subtraction removes the bias (integer and fp32 pipes, full rate);
+- it had too few programs for narrow outputs; here the K range is split so about `waves` programs
+  per SM run, and the last program of a row block to finish (an atomic counter) sums the fp32
+  partials in split order (deterministic) and writes the output, then resets the counter, so one
+  launch does it all and CUDA-Graph replays find the counters at zero (the scheme of
+  ninfer_core.accel.gemv, which this module only reads; it keeps its own counters).
+
+One config per (encoding, N, K) serves every row count (the dot path for all of them), so a lane's
+logits are the same bits alone or beside seven others. The config is the fastest of a few
+candidates, timed on first use on CUDA (outside graph capture; NINFER_QGEMV_TUNE=0 takes the first)
+over rotating copies of the packed weight larger than the L2 cache, as CUDA-Graph replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_core.accel import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+log = logging.getLogger("ninfer.quant.gemv")
+
+MAX_ROWS = 8
+SCHEME_IDS = {"int8": 0, "int4": 1, "q4": 1, "fp8_e4m3": 3}  # q6 keeps the generic kernel
+COUNTER_SLOTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int
+    block_k: int  # weight columns per iteration (int4: half as many bytes)
+    warps: int
+    stages: int
+    waves: int  # programs wanted per SM; sets the K split
+    dot: bool = True  # False: the fp32 FMA path (one row; fp32 tests)
+    split: int = 0  # >0 forces the K split (tests)
+
+
+CANDIDATES = [Config(64, 128, 4, 3, 2), Config(32, 256, 4, 3, 4), Config(128, 128, 8, 3, 1),
+              Config(32, 512, 4, 2, 4), Config(16, 512, 4, 2, 8)]
+_FP32 = Config(16, 64, 4, 1, 4, dot=False)  # fp32 activations (CPU-side tests): exact products
+_FP32_ROWS = Config(16, 64, 4, 1, 4)
+_INTERP = Config(16, 64, 1, 1, 4)
+
+_COUNTERS: dict = {}
+_TUNED: dict = {}
+_SMS: dict = {}
+
+
+def tuned() -> dict:
+    """{(encoding, N, K): Config} picked so far (the kernel table prints them)."""
+    return {k[1:4]: v for k, v in _TUNED.items()}
+
+
+def supports(enc) -> bool:
+    return HAVE_TRITON and enc.scheme in SCHEME_IDS
+
+
+def _sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _counters(device) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None:  # made once and never replaced: captured graphs point at it
+        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return c
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def dequant_tile(q_ptr, s_ptr, rows, k0, K, SG, stride_q, stride_s, SCHEME: tl.constexpr,
+                     GPI: tl.constexpr, GC: tl.constexpr, MASK_K: tl.constexpr):
+        """fp32 [len(rows), GPI, GC]: weight columns k0 .. k0 + GPI*GC of `rows` (int64), each run of
+        GC columns inside one scale group of SG columns (zeros past K when MASK_K)."""
+        gi = tl.arange(0, GPI)
+        if SCHEME == 1:  # int4: byte j holds columns 2j (low nibble) and 2j + 1
+            e = tl.arange(0, GC // 2)
+            col = k0 + gi[None, :, None] * GC + 2 * e[None, None, :]
+            ptr = q_ptr + rows[:, None, None] * stride_q + col // 2
+        else:
+            e = tl.arange(0, GC)
+            col = k0 + gi[None, :, None] * GC + e[None, None, :]
+            ptr = q_ptr + rows[:, None, None] * stride_q + col
+        g0 = k0 + gi * GC
+        sptr = s_ptr + rows[:, None, None] * stride_s + (g0 // SG)[None, :, None]
+        if MASK_K:
+            raw = tl.load(ptr, mask=col < K, other=0)
+            s = tl.load(sptr, mask=(g0 < K)[None, :, None], other=0).to(tl.float32)
+        else:
+            raw = tl.load(ptr)
+            s = tl.load(sptr).to(tl.float32)
+        # integers into the mantissa of 2^23 (exact), minus the bias: no int-to-float conversion
+        if SCHEME == 0:
+            v = (raw.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+            out = v * s
+        elif SCHEME == 1:
+            b = raw.to(tl.int32)
+            lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            out = tl.interleave(lo * s, hi * s)
+        else:
+            out = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+        return out
+
+    @triton.jit
+    def _qgemv_kernel(X, Q, S, Y, P, CNT, M, N, K, SG, SPLIT_K, s_xm, s_q, s_s, s_ym,
+                      SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GPI: tl.constexpr,
+                      GC: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr, MASK_K: tl.constexpr,
+                      IEEE: tl.constexpr, STAGES: tl.constexpr):
+        BK: tl.constexpr = GPI * GC
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = tl.where(n_mask, offs_n, 0).to(tl.int64)  # rows past N read row 0: no N mask on loads
+        span = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
+        k_lo = pid_k * span
+        k_hi = tl.minimum(k_lo + span, K)
+        if DOT:
+            offs_m = tl.arange(0, BLOCK_M)
+            m_mask = offs_m < M
+            offs_k = tl.arange(0, BK)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+                w = tl.reshape(dequant_tile(Q, S, rows, k0, K, SG, s_q, s_s, SCHEME, GPI, GC, MASK_K),
+                               [BLOCK_N, BK])
+                kk = k0 + offs_k
+                if MASK_K:
+                    xt = tl.load(X + offs_m[None, :] * s_xm + kk[:, None], mask=m_mask[None, :] & (kk < K)[:, None],
+                                 other=0.0)
+                else:
+                    xt = tl.load(X + offs_m[None, :] * s_xm + kk[:, None], mask=m_mask[None, :], other=0.0)
+                if IEEE:
+                    acc += tl.dot(w, xt.to(tl.float32), input_precision="ieee")
+                else:  # the dequantised weight rounded to the activations' dtype, as the reference
+                    acc += tl.dot(w.to(xt.dtype), xt)
+            mask = n_mask[:, None] & m_mask[None, :]
+            poff = offs_m[None, :] * N + offs_n[:, None]
+            yoff = offs_m[None, :].to(tl.int64) * s_ym + offs_n[:, None]
+        else:  # one fp32 row: elementwise products, one reduction at the end
+            gi = tl.arange(0, GPI)
+            e = tl.arange(0, GC)
+            acc3 = tl.zeros([BLOCK_N, GPI, GC], tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+                w = dequant_tile(Q, S, rows, k0, K, SG, s_q, s_s, SCHEME, GPI, GC, MASK_K)
+                kk = k0 + gi[:, None] * GC + e[None, :]
+                if MASK_K:
+                    xv = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+                else:
+                    xv = tl.load(X + kk).to(tl.float32)
+                acc3 += w * xv[None, :, :]
+            acc = tl.sum(tl.sum(acc3, 2), 1)
+            mask = n_mask
+            poff = offs_n
+            yoff = offs_n
+        if SPLIT:
+            mn = M * N
+            tl.store(P + pid_k * mn + poff, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is issued before the release below
+            arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last program of this row block: sum in split order
+                tl.debug_barrier()
+                tot = tl.zeros_like(acc)
+                for s in range(SPLIT_K):
+                    tot += tl.load(P + s * mn + poff, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + yoff, tot.to(Y.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch / graph replay
+        else:
+            tl.store(Y + yoff, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def tile_shape(enc, k: int, block_k: int) -> tuple[int, int, int]:
+    """(SG, GPI, GC): the scale group, and a block_k tile as GPI runs of GC columns each inside one
+    group (per-row scales: one run)."""
+    sg = enc.group_for(k)
+    if enc.group_size is None or sg >= block_k:
+        return sg, 1, block_k
+    return sg, block_k // sg, sg
+
+
+def split_for(cfg: Config, n: int, k: int, device) -> int:
+    if cfg.split:
+        return cfg.split
+    tiles = -(-n // cfg.block_n)
+    want = -(-cfg.waves * _sms(device) // tiles)
+    return max(1, min(want, k // (2 * cfg.block_k), 32))
+
+
+def launch(cfg: Config, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, enc, k: int, y: torch.Tensor):
+    """One call of the kernel: x [M, K] (rows contiguous), q/s the packed rows and scales, y [M, N]."""
+    m = x.shape[0]
+    assert cfg.dot or m == 1, "the FMA path is for one row"
+    n = q.shape[0]
+    sg, gpi, gc = tile_shape(enc, k, cfg.block_k)
+    tiles = -(-n // cfg.block_n)
+    split = split_for(cfg, n, k, x.device) if tiles <= COUNTER_SLOTS else 1
+    cnt = _counters(x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt
+    _qgemv_kernel[(tiles, split)](
+        x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
+        SCHEME=SCHEME_IDS[enc.scheme], BLOCK_M=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, GPI=gpi, GC=gc,
+        DOT=cfg.dot, SPLIT=split > 1, MASK_K=k % cfg.block_k != 0,
+        IEEE=x.dtype == torch.float32 or not x.is_cuda, STAGES=cfg.stages, num_warps=cfg.warps)
+    return y
+
+
+def pick(x, q, s, enc, k: int, y) -> Config:
+    """The tuned config for this (encoding, N, K, dtype), tuning it now on CUDA outside capture."""
+    if x.dtype == torch.float32:
+        return _FP32 if x.shape[0] == 1 else _FP32_ROWS
+    if not x.is_cuda:
+        return _INTERP
+    key = (x.device, enc.name, q.shape[0], k, x.dtype)
+    hit = _TUNED.get(key)
+    if hit is not None:
+        return hit
+    if os.environ.get("NINFER_QGEMV_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        return CANDIDATES[0]
+    _TUNED[key] = best = tune(CANDIDATES, lambda cfg, qc, sc: launch(cfg, x, qc, sc, enc, k, y), q, s)[0]
+    return best
+
+
+def rotating_copies(q: torch.Tensor, s: torch.Tensor, factor: int = 3) -> list:
+    """(q, s) and random copies of them, together past `factor` x the L2 cache (DRAM reads)."""
+    dev = q.device
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size or (50 << 20)
+    one = q.numel() * q.element_size() + s.numel() * s.element_size()
+    n_copies = max(1, min(8, -(-factor * l2 // one)))
+    out = [(q, s)]
+    try:
+        for _ in range(n_copies - 1):
+            qc = torch.empty_like(q)
+            qc.view(torch.uint8).copy_(torch.randint(0, 256, qc.shape, dtype=torch.uint8, device=dev))
+            out.append((qc, s.clone()))
+    except torch.OutOfMemoryError:
+        pass
+    return out
+
+
+def tune(cands: list, run, q, s) -> tuple:
+    """(best config, {config: ms per call}) over the candidates, each timed as a CUDA-Graph replay
+    of calls over rotating copies of the weight (eager launches from Python would take longer on the
+    host than a small weight takes on the device). Candidates that fail to compile are skipped."""
+    ws = rotating_copies(q, s)
+    one = q.numel() * q.element_size()
+    reps = max(2, min(16, int(4e9 // (one * len(ws)))))
+    times = {}
+    for cfg in cands:
+        try:
+            for qc, sc in ws:
+                run(cfg, qc, sc)
+            torch.cuda.synchronize(q.device)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile: not a candidate
+            log.debug("quant gemv config %s skipped: %s", cfg, e)
+            continue
+        times[cfg] = replay_ms(lambda cfg=cfg, ws=ws: [run(cfg, qc, sc) for _ in range(reps) for qc, sc in ws],
+                               q.device) / (reps * len(ws))
+    del ws
+    best = min(times, key=times.get) if times else cands[0]
+    return best, times
+
+
+def replay_ms(fn, dev) -> float:
+    """Median ms of three replays of a graph of fn's launches (eager if capture fails)."""
+    graph = torch.cuda.CUDAGraph()
+    side, here = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
+    side.wait_stream(here)
+    try:  # capture_begin/end rather than torch.cuda.graph(), which collects garbage and empties the cache
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        replay = graph.replay
+    except RuntimeError as e:
+        log.debug("quant gemv timing without a graph: %s", e)
+        replay = fn
+    here.wait_stream(side)
+    replay()
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return sorted(times)[1]
+
+
+def qgemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, enc, k: int, config: Config | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 8, K] @ dequant(q, s)^T -> [M, N] in x's dtype (q: int8 / uint8 rows, fp8 as uint8)."""
+    y = out if out is not None else torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
+    cfg = config or pick(x, q, s, enc, k, y)
+    return launch(cfg, x, q, s, enc, k, y)
