@@ -44,13 +44,22 @@ def _prompt(placeholder: int, pre=(40, 41, 42), post=(50, 51, 52, 53)):
             *post]
 
 
+def _mm_kw(hf, ids) -> dict:
+    """mm_token_type_ids for a transformers release whose forward takes it (newer ones need it for
+    mRoPE; older ones find the media tokens in input_ids themselves)."""
+    import inspect
+
+    if "mm_token_type_ids" not in inspect.signature(hf.forward).parameters:
+        return {}
+    return {"mm_token_type_ids": torch.tensor([[1 if t == token_id("<|image_pad|>") else 2 if t == token_id(
+        "<|video_pad|>") else 0 for t in ids]])}
+
+
 def _hf_logits(hf, ids, item, kind):
-    mm = torch.tensor([[1 if t == token_id("<|image_pad|>") else 2 if t == token_id("<|video_pad|>") else 0
-                        for t in ids]])
     kw = ({"pixel_values": item.pixel_values.float(), "image_grid_thw": torch.tensor([item.grid])} if kind == IMAGE
           else {"pixel_values_videos": item.pixel_values.float(), "video_grid_thw": torch.tensor([item.grid])})
     with torch.no_grad():
-        out = hf(input_ids=torch.tensor([ids]), mm_token_type_ids=mm, use_cache=False, **kw)
+        out = hf(input_ids=torch.tensor([ids]), use_cache=False, **_mm_kw(hf, ids), **kw)
     return out.logits[0].float()
 
 
@@ -95,8 +104,7 @@ def test_image_prompt_matches_transformers(vl, chunk):
     with torch.no_grad():
         full = hf(input_ids=torch.tensor([exp.ids + [60]]), use_cache=False,
                   pixel_values=item.pixel_values.float(), image_grid_thw=torch.tensor([item.grid]),
-                  mm_token_type_ids=torch.tensor([[1 if t == token_id("<|image_pad|>") else 0
-                                                  for t in exp.ids + [60]]])).logits[0, -1].float()
+                  **_mm_kw(hf, exp.ids + [60])).logits[0, -1].float()
     n = len(exp.ids)
     seg = LaneSegment(0, {"full_attention": [0, 1, 2, 3]}, n, [60], DECODE, side=segment_side(media, n, 1, None))
     step = runner.forward(ForwardBatch([seg]))[0].logits
