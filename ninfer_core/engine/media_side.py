@@ -113,24 +113,23 @@ class MediaEncodes:
         got = seq.media_embeds if seq.media_embeds is not None else {}
         seq.media_embeds = got
         jobs = seq.media_jobs
-        pending = False
+        for k, fut in list(jobs.items()):  # collect what finished (its failure raises here)
+            if fut.done():
+                del jobs[k]
+                got[k] = self._finish(seq, *fut.result())
+        pending = bool(jobs)  # one job of a lane at a time: a queued job would hold its window idle
         for span in media.spans:
             k = id(span.item)
-            if span.end <= start or span.start >= end or k in got:
+            if span.end <= start or span.start >= end or k in got or k in jobs:
                 continue
-            fut = jobs.get(k)
-            if fut is None:
-                job = self._open(span.item)
-                if job.exclusive:
-                    got[k] = self._finish(seq, span.item, job, *self._timed(job))
-                    continue
-                jobs[k] = self._submit(span.item, job)
-                pending = True
-            elif not fut.done():
-                pending = True
-            else:
-                del jobs[k]
-                got[k] = self._finish(seq, span.item, *fut.result())
+            if pending:
+                break
+            job = self._open(span.item)
+            if job.exclusive:
+                got[k] = self._finish(seq, span.item, job, *self._timed(job))
+                continue
+            jobs[k] = self._submit(span.item, job)
+            pending = True
         return not pending
 
     def encode_now(self, seq: Any, item: Any) -> Any:
@@ -188,24 +187,24 @@ class MediaEncodes:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ninfer-encode")
         with self.eng._cv:
             self.in_flight += 1
-        fut = self._pool.submit(self._execute, job)
+        fut = self._pool.submit(self._execute, item, job)
         fut.add_done_callback(self._done)
         return fut
 
-    def _execute(self, job: Any) -> tuple:
+    def _execute(self, item: Any, job: Any) -> tuple:
         """One job on the encoder thread: on its own CUDA stream, finished before it reports."""
         import torch
 
         dev = torch.device(getattr(self.eng.runner, "device", "cpu") or "cpu")
         if dev.type != "cuda":
-            return job, *self._timed(job)
+            return item, job, *self._timed(job)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=dev)
         self._stream.wait_stream(torch.cuda.default_stream(dev))
         with torch.cuda.stream(self._stream):
             out, seconds = self._timed(job)
         self._stream.synchronize()
-        return job, out, seconds
+        return item, job, out, seconds
 
     def _done(self, fut: Any) -> None:
         with self.eng._cv:
