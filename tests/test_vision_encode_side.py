@@ -233,8 +233,8 @@ class _SlowEncoder:
 def _side_engine(exclusive: bool):
     runner = _Counting()
     enc = _SlowEncoder(runner, exclusive=exclusive)
-    eng = Engine(runner, ToyTokenizer(), EngineOptions(max_context=256, prefill_chunk=8, prefix_reuse=False,
-                                                       max_concurrency=2), vision=enc)
+    eng = Engine(runner, ToyTokenizer(), EngineOptions(max_context=8192, kv_capacity=8192, prefill_chunk=8,
+                                                       prefix_reuse=False, max_concurrency=2), vision=enc)
     svc = MediaService(_Proc(), MediaOptions(vision=True), vocab_size=runner.info.vocab_size,
                        source_limit_bytes=1 << 20)
     return eng, svc, runner, enc
@@ -243,17 +243,19 @@ def _side_engine(exclusive: bool):
 def _side_run(eng, svc, runner):
     ids, media = svc.expand_prompt([1, 2, 3, 7, 4, 5], [MediaRef(IMAGE, _uri(8, 8))])
     greedy = SamplingParams(temperature=0.0)
-    long_text = GenerationRequest(prompt_ids=[10, 11, 12], sampling=greedy, max_tokens=60, ignore_eos=True)
+    # the text lane runs until the image is done (then cancelled): it cannot end before the encode
+    long_text = GenerationRequest(prompt_ids=[10, 11, 12], sampling=greedy, max_tokens=8000, ignore_eos=True)
     image = GenerationRequest(prompt_ids=ids, sampling=greedy, max_tokens=4, ignore_eos=True, media=media)
 
     async def go():
         import asyncio
 
         first = asyncio.Event()
-        text = asyncio.ensure_future(collect(eng.submit(long_text),
-                                            lambda e: first.set() if e.kind == "delta" else None))
+        handle = eng.submit(long_text)
+        text = asyncio.ensure_future(collect(handle, lambda e: first.set() if e.kind == "delta" else None))
         await first.wait()  # the text lane decodes before the image arrives
         img = await collect(eng.submit(image))
+        handle.cancel()
         return await text, img
 
     return run_async(go(), GUARD_S * 2)
@@ -266,7 +268,7 @@ def test_an_encode_runs_beside_the_decode_of_other_lanes():
         text, img = _side_run(eng, svc, runner)
         # the encode ended only once the other lane had decoded five rounds while it ran
         assert enc.started.is_set() and enc.rounds_seen is not None and enc.rounds_seen >= 5
-        assert len(text.token_ids) == 60 and len(img.token_ids) == 4
+        assert len(text.token_ids) >= 5 and len(img.token_ids) == 4
         assert img.finish.timings["vision_encodes"] == 1 and eng.media_encodes.in_flight == 0
         assert eng.media_encodes.yields >= 1  # the image lane yielded its prefill units meanwhile
     finally:
@@ -280,7 +282,7 @@ def test_an_exclusive_encode_runs_alone_on_the_worker():
     try:
         text, img = _side_run(eng, svc, runner)
         assert enc.started.is_set() and enc.rounds_seen == 0  # no decode round while its window was open
-        assert len(text.token_ids) == 60 and len(img.token_ids) == 4
+        assert len(text.token_ids) >= 1 and len(img.token_ids) == 4
         assert eng.media_encodes.yields == 0
     finally:
         eng.shutdown()
