@@ -146,14 +146,14 @@ def test_overlay_falls_back_to_the_allocator_when_free_pages_cannot_cover(vl):
     before = pool.num_free
     want = fam.vision_tower(art, "cpu", torch.float32).encode(item)
     assert torch.equal(overlay.encode(item), want)
-    assert overlay.windows == {"kv": 0, "allocator": 1} and pool.num_free == before
+    assert overlay.windows == {"kv": 0, "tail": 0, "allocator": 1} and pool.num_free == before
     assert need > 1
     # a KV cache smaller than one window always uses the fallback
     small = _overlay(art, fam, cpu)
     small.attach(PagePool(2), _PageRunner(2))
     assert small.lender.pages_for(small.window_sizes()) is None
     small.encode(item)
-    assert small.windows == {"kv": 0, "allocator": 1}
+    assert small.windows == {"kv": 0, "tail": 0, "allocator": 1}
 
 
 def test_window_sizes_are_the_front_and_two_blocks(vl):

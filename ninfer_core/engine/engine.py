@@ -26,6 +26,7 @@ from ninfer_core.engine.cache_lease import build_page_leases, lease_window_token
 from ninfer_core.engine.detok import OutputText
 from ninfer_core.engine.engine_prefill import prefill_chunk
 from ninfer_core.engine.engine_report import COUNTERS, UNIT_COUNTERS, finish_event, lane_tokens, snapshot
+from ninfer_core.engine.media_side import MediaEncodes
 from ninfer_core.engine.model_api import (
     PAGE_SIZE,
     ModelRunner,
@@ -60,8 +61,10 @@ class Engine:
             raise ValueError(f"max_concurrency must be in 1..8, got {options.max_concurrency}")
         self.runner = runner
         self.vision = vision
-        # media encodes run on the worker before the prefill unit needing them (snapshot "vision")
+        # media encodes run beside other lanes' decode before the prefill unit needing them
+        # (ninfer_core.engine.media_side.MediaEncodes; snapshot "vision")
         self.vision_counters = {"encodes": 0, "encoded_tokens": 0, "encode_seconds": 0.0}
+        self.media_encodes = MediaEncodes(self) if vision is not None else None
         self.tokenizer = tokenizer
         self.options = options
         self.spec = spec
@@ -160,6 +163,8 @@ class Engine:
         if thread is None:
             self._fail_all_on_shutdown()
         self._masks.shutdown()
+        if self.media_encodes is not None:
+            self.media_encodes.shutdown()
 
     def default_output_limit(self, prompt_tokens: int) -> int:
         return self.budget.default_output_limit(prompt_tokens)
@@ -302,7 +307,8 @@ class Engine:
         """Future of True once the worker is held at a boundary with nothing queued or running (a
         suspend may then release device memory), of False when a request is in the engine."""
         def apply() -> bool:
-            if self.scheduler.lanes or self.scheduler.waiting or self._outstanding:
+            if self.scheduler.lanes or self.scheduler.waiting or self._outstanding or (
+                    self.media_encodes is not None and self.media_encodes.in_flight):
                 return False
             self._held = True
             return True

@@ -30,7 +30,24 @@ log = logging.getLogger("ninfer.engine")
 
 
 def prefill_chunk(eng: Engine, seq: Sequence) -> None:
-    """Run the staged lane's next prefill chunk (on the worker); the last one samples its first token."""
+    """Run the staged lane's next prefill chunk (on the worker); the last one samples its first token.
+
+    A lane whose chunk needs media still encoding yields the unit to another staged lane, or to
+    the next decode rounds (media_side.MediaEncodes)."""
+    encodes = getattr(eng, "media_encodes", None)
+    if seq.request.media is not None and encodes is not None:
+        try:
+            ready = encodes.ready(seq)
+        except Exception as exc:
+            log.exception("media encode failed for request %s", seq.request_id)
+            eng._fail(seq, exc)
+            return
+        if not ready:
+            other = encodes.next_staged(seq)
+            if other is None:
+                encodes.wait(seq)
+                return
+            seq = other
     start = seq.num_cached
     end = min(start + eng.options.prefill_chunk, seq.prompt_len)
     snap = None  # (frontier, reserved state slot): a capture inside this chunk
@@ -113,25 +130,15 @@ def prefill_chunk(eng: Engine, seq: Sequence) -> None:
 
 
 def _media_rows(eng: Engine, seq: Sequence, item):
-    """An item's embeddings [tokens, hidden], encoded by the vision residency on first use."""
+    """An item's embeddings [tokens, hidden]: encoded before the unit (MediaEncodes.ready), or
+    here on first use."""
     got = seq.media_embeds if seq.media_embeds is not None else {}
     seq.media_embeds = got
     k = id(item)
     if k not in got:
-        if eng.vision is None:
+        if eng.vision is None or getattr(eng, "media_encodes", None) is None:
             raise EngineError(400, "vision_disabled", "This server was started without --vision.")
-        t0 = time.monotonic()
-        got[k] = eng.vision.encode(item)
-        stats = getattr(eng.vision, "last_encode", None)
-        if stats:  # an overlay window's facts (request_done.vision_overlay)
-            seq.vision_windows.append(dict(stats))
-        with eng._cv:
-            c = eng.vision_counters
-            c["encodes"] += 1
-            c["encoded_tokens"] += item.tokens
-            c["encode_seconds"] += time.monotonic() - t0
-        seq.vision_encodes += 1
-        seq.vision_seconds += time.monotonic() - t0
+        got[k] = eng.media_encodes.encode_now(seq, item)
     return got[k]
 
 

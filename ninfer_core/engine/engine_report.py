@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ninfer_core.engine.api import EngineEvent, Usage
-from ninfer_core.engine.media_side import vision_overlay_report
+from ninfer_core.engine.media_side import overlay_log_text, vision_overlay_report
 
 if TYPE_CHECKING:
     from ninfer_core.engine.engine import Engine
@@ -88,14 +88,15 @@ def finish_event(eng: Engine, seq: Sequence, reason: str, stop_reason: str | Non
     # Counts and rates only: a log line never carries prompt or output text.
     # The completion line names the reuse path (spec: root, private_endpoint, ...) and cache=.
     mat = getattr(seq, "cache_materialization", None)
-    log.info("request %s %s (%s): prompt %d tokens, cache=%d via %s, in %.0f ms, %d output tokens at %.1f tok/s%s",
+    log.info("request %s %s (%s): prompt %d tokens, cache=%d via %s, in %.0f ms, %d output tokens at %.1f tok/s%s%s",
              seq.request_id, reason, stop_reason or "-", seq.prompt_len, t.get("cache_n", 0) or 0,
              getattr(seq, "cache_source", None) or "root", t.get("prompt_ms", 0.0) or 0.0,
              len(seq.output_ids), t.get("predicted_per_second", 0.0) or 0.0,
              # the admission's materialization decision, when it had to make room
              "" if not mat or mat["stop_reason"] == "no_pressure" else
              f" (best reuse {mat['best_reuse_prompt_tokens']}, degraded {mat['degradation_tokens']}, "
-             f"search {mat['stop_reason']}{', maximal fallback' if mat['maximal_fallback'] else ''})")
+             f"search {mat['stop_reason']}{', maximal fallback' if mat['maximal_fallback'] else ''})",
+             overlay_log_text(vision_overlay_report(getattr(seq, "vision_windows", None))))
     spec = getattr(seq, "spec_facts", None) or eng.rounds.facts(seq)
     if spec is not None and (spec["rounds"] or spec["fallback_steps"]):
         rate = spec["accepted_tokens"] / spec["drafted_tokens"] if spec["drafted_tokens"] else 0.0

@@ -141,6 +141,14 @@ class HybridRunner(StageRunner, ModelRunner):
         """Every layer's K and V pages (a model suspend copies only the pages in use)."""
         return tuple(self.cache.page_tensors().values()) if self.cache is not None else ()
 
+    def evictable_weights(self) -> tuple:
+        """lm_head, the token embedding (one storage when tied) and the MTP head, in that order."""
+        out = []
+        for mod in (getattr(self.model, "lm_head", None), getattr(self.model, "embed_tokens", None), self.mtp):
+            if mod is not None:
+                out += [t for t in (*mod.parameters(), *mod.buffers()) if t.device.type != "meta"]
+        return tuple(out)
+
     def reset_slot(self, slot: int) -> None:
         self._check_slot(slot)
         self._uncommitted.pop(slot, None)

@@ -281,6 +281,13 @@ class ModelRunner(ABC):
         zeros after the resume. Empty (the default): the cache is copied whole."""
         return ()
 
+    def evictable_weights(self) -> tuple:
+        """Optional: the weight tensors an exclusive overlay window may borrow while it is open and
+        restore after (spec "Vision residency"), in eviction order: the output head, the token
+        embedding, the draft and MTP heads. Empty (the default): the window falls back to the
+        device allocator."""
+        return ()
+
     # -- context cache (optional; a runner without these serves every request from root) ---------
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page of every KV group (copy-on-write of a checkpoint's tail page)."""

@@ -193,6 +193,7 @@ class Sequence:
         # Media: the embeddings of spans encoded for this prefill ({span index: tensor}), and what
         # encoding cost this request (a prefix reused from the cache encodes nothing)
         self.media_embeds: dict | None = None
+        self.media_jobs: dict = {}  # id(item) -> the encode's future while it runs (media_side.MediaEncodes)
         self.vision_encodes = 0
         self.vision_seconds = 0.0
         self.vision_windows: list[dict] = []  # the overlay windows this request's encodes opened

@@ -16,6 +16,7 @@ item's embeddings.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -157,12 +158,28 @@ class VisionTower(ABC):
         return 0
 
 
+@dataclass
+class EncodeJob:
+    """One encode as a residency prepared it on the engine's worker (`VisionResidency.open`).
+
+    `run()` returns the embeddings. A job that is not `exclusive` runs on the engine's encoder
+    thread (its own device stream) while other lanes keep decoding and the owning lane yields its
+    prefill units; an exclusive one (its window borrowed memory the text model reads) runs on the
+    worker with nothing else running. `stats`: facts `run` leaves for the request log (an overlay
+    window's kind, times and bytes), or None."""
+
+    run: Callable[[], Any]
+    exclusive: bool = False
+    stats: dict | None = None
+
+
 class VisionResidency(ABC):
     """Where a tower lives and where its encodes run (`--vision-residency NAME`).
 
-    `load` is called once after the runner is built; `encode` on the engine's worker thread before
-    the prefill unit that first needs an item's rows; the embeddings it returns are moved to the
-    runner's device by the runner."""
+    `load` is called once after the runner is built; `open` on the engine's worker thread before
+    the prefill unit that first needs an item's rows, and the job it returns runs beside decode
+    (ninfer_core.engine.media_side.MediaEncodes); the embeddings are moved to the runner's device
+    by the runner."""
 
     name: str = ""
     max_item_tokens: int = 0  # the most merged tokens one item takes (set at load from the media bound)
@@ -175,6 +192,10 @@ class VisionResidency(ABC):
     @abstractmethod
     def encode(self, item: PreparedMedia) -> Any:
         """Embeddings [item.tokens, hidden] for one prepared item."""
+
+    def open(self, item: PreparedMedia) -> EncodeJob:
+        """The encode of `item` as a job (the default: `encode` beside other lanes' decode)."""
+        return EncodeJob(lambda: self.encode(item))
 
     def attach(self, pool: Any, runner: Any, lock: Any = None) -> None:
         """Called once by the engine after its KV pool and the runner's cache exist (`pool` a

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ninfer_core import hookimpl
-from ninfer_core.media.api import PreparedMedia, VisionResidency
+from ninfer_core.media.api import EncodeJob, PreparedMedia, VisionResidency
 
 
 class ResidentResidency(VisionResidency):
@@ -62,17 +62,20 @@ class OverlayResidency(VisionResidency):
     """The tower's weights in pinned host memory in the run dtype; each encode streams them
     through a bounded device window (two block slots plus the tower's front), so between encodes
     the tower holds no device memory. The window is borrowed from free KV pages when they cover it
-    (`attach` gives the engine's pool; ninfer_core.media.window), else taken from the device
-    allocator for the encode. The embeddings land in pinned host memory; the runner uploads each
-    chunk's rows. The family's tower provides `pin()`, `window_tensors()` (the meta modules a window
-    holds) and `encode_streamed(item, device, window)`."""
+    (`attach` gives the engine's pool; ninfer_core.media.window) and that encode runs beside other
+    lanes' decode; else from the evict-ranked tail of the text weights (ninfer_core.media.tail), an
+    exclusive window restored from a pinned mirror when the encode ends; only a tail too small for
+    the window takes it from the device allocator. The embeddings land in pinned host memory; the
+    runner uploads each chunk's rows. The family's tower provides `pin()`, `window_tensors()` (the
+    meta modules a window holds) and `encode_streamed(item, device, window)`."""
 
     name = "overlay"
 
     def __init__(self, tower: Any, device: Any):
         self.tower, self.device = tower, device
         self.lender = None  # window.PageLender once the engine attached its KV pool
-        self.windows = {"kv": 0, "allocator": 0}
+        self.tail = None  # tail.WeightTail over the runner's evictable_weights()
+        self.windows = {"kv": 0, "tail": 0, "allocator": 0}
         self.window_pages = 0  # pages the last KV-funded window borrowed
         self.last_encode: dict | None = None
 
@@ -86,26 +89,37 @@ class OverlayResidency(VisionResidency):
         return cls(tower, runner.device)
 
     def attach(self, pool, runner, lock=None) -> None:
+        from ninfer_core.media.tail import WeightTail
         from ninfer_core.media.window import PageLender
 
         self.lender = PageLender(pool, getattr(runner, "kv_page_tensors", tuple), lock)
+        self.tail = WeightTail(getattr(runner, "evictable_weights", tuple))
 
     def window_sizes(self) -> list[int]:
         from ninfer_core.media.window import nbytes_of
 
         return nbytes_of(self.tower.window_tensors(), self.tower.dtype)
 
-    def encode(self, item: PreparedMedia):
-        import torch
-
+    def open(self, item: PreparedMedia) -> EncodeJob:
+        """Borrow the window now (on the worker, so the pool sees the loan before the next
+        admission): free KV pages give a concurrent job, the weight tail an exclusive one."""
         from ninfer_core.media.window import allocator_window
 
         t0 = time.monotonic()
         sizes = self.window_sizes()
         window = self.lender.borrow(sizes) if self.lender is not None else None
+        if window is None and self.tail is not None:
+            window = self.tail.borrow(sizes)
         if window is None:
             window = allocator_window(sizes, self.device)
         self.windows[window.kind] += 1
+        job = EncodeJob(lambda: None, exclusive=window.kind == "tail")
+        job.run = lambda: self._run(item, window, job, t0)
+        return job
+
+    def _run(self, item: PreparedMedia, window, job: EncodeJob, t0: float):
+        import torch
+
         try:
             out = self.tower.encode_streamed(item, self.device, window)
             if out.device.type == "cuda":  # the embeddings wait in pinned memory, not in the window
@@ -116,15 +130,24 @@ class OverlayResidency(VisionResidency):
             if window.kind == "kv":
                 self.window_pages = len(window.pages)
                 self.lender.give_back(window)
-        # what the request log's vision_overlay sums over a request's encodes (engine._media_rows)
-        self.last_encode = {"window": window.kind, "ms": (time.monotonic() - t0) * 1000.0,
-                            "window_bytes": window.nbytes, "staged_bytes": int(out.numel() * out.element_size())}
+            elif window.kind == "tail":
+                self.tail.give_back(window)
+        # what the request log's vision_overlay sums over a request's encodes (media_side)
+        stats = {"window": window.kind, "ms": (time.monotonic() - t0) * 1000.0, "window_bytes": window.nbytes,
+                 "staged_bytes": int(out.numel() * out.element_size()), "evict_bytes": 0, "evict_ms": 0.0,
+                 "restore_ms": 0.0}
+        if window.kind == "tail":
+            stats.update(self.tail.last)
+        job.stats = self.last_encode = stats
         return out
+
+    def encode(self, item: PreparedMedia):
+        return self.open(item).run()
 
     def describe(self) -> dict:
         return {"residency": self.name, "device_bytes": 0, "window_bytes": int(sum(self.window_sizes())),
                 "windows": sum(self.windows.values()), "kv_windows": self.windows["kv"],
-                "allocator_windows": self.windows["allocator"]}
+                "exclusive_windows": self.windows["tail"], "allocator_windows": self.windows["allocator"]}
 
 
 @hookimpl

@@ -8,8 +8,9 @@ nothing, so nothing is copied: the encode takes a run of consecutive free page i
 regions, first fit by decreasing size. While the loan is open the pages are allocated, so the
 admission capacity shrinks with it and nothing is admitted into lent memory; closing it zeroes the
 bytes (the pages read as an unwritten cache again, whatever KV format reads them) and frees them.
-When free pages cannot cover the window it comes from the device allocator instead (the spec's
-fallback evicts the text weights' tail; that is not built).
+When free pages cannot cover the window it is funded from the evicted tail of the text weights
+(`ninfer_core.media.tail`, an exclusive window); only a tail too small for it falls back to the
+device allocator.
 
 `stream_blocks` runs the blocks through the two slots: the next block's weights are copied on a
 side stream while the current block computes, so every slot is filled once per block.
@@ -73,8 +74,9 @@ class DeviceWindow:
 
     def __init__(self, regions: list[Any], kind: str, pages: list[int] | None = None):
         self.regions = regions
-        self.kind = kind  # "kv" (free KV pages) | "allocator"
+        self.kind = kind  # "kv" (free KV pages) | "tail" (evicted text weights) | "allocator"
         self.pages = pages or []
+        self.mirrors: list[Any] = []  # a "tail" window: the pinned host copies it restores from
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +161,10 @@ class PageLender:
         """Zero the lent rows and return the pages to the pool."""
         for r in window.regions:
             r.zero_()
+        if window.regions and window.regions[0].device.type == "cuda":
+            import torch  # the zeroing (on the encode's stream) is done before a lane may write them
+
+            torch.cuda.current_stream(window.regions[0].device).synchronize()
         with self.lock:
             self.pool.free(window.pages)
         self.open_pages -= len(window.pages)

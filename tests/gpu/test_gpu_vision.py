@@ -102,3 +102,39 @@ def test_gemma4_tower_bf16_and_overlay_from_kv_pages(tmp_path):
     print(f"PARITY gemma4 vision bf16 GPU vs fp32 CPU: tower {rel(e16, e32):.2e}; overlay equals resident "
           f"{torch.equal(streamed, e16)}")
     assert rel(e16, e32) <= 1e-2 and torch.equal(streamed, e16)
+
+
+def test_overlay_through_the_weight_tail_and_beside_decode_on_cuda(tmp_path):
+    """On the device: a KV pool too small for one window sends the overlay's encode through the
+    evicted tail of the text weights (pinned mirror, restored in place): the same embeddings as the
+    resident tower and every weight byte back; then a served image request through the engine's
+    encoder thread (its own stream) gives the resident server's completion."""
+    import numpy as np
+    from ninfer_qwen35.family import Qwen35Family
+    from ninfer_qwen35.media import Qwen35MediaProcessor
+    from ninfer_qwen35.vl_testing import build_vl_artifact
+    from PIL import Image
+
+    from ninfer_core.artifact import Artifact
+    from ninfer_core.engine.pages import PagePool
+    from ninfer_core.media.api import IMAGE, PreparedMedia
+    from ninfer_core.media.residency import OverlayResidency
+
+    art = Artifact.open(build_vl_artifact(str(tmp_path / "vl128.ninfer"), seed=6, hidden=128))
+    fam = Qwen35Family()
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 96, 3), dtype=np.uint8))
+    pv, grid, tokens = Qwen35MediaProcessor(art.config).prepare_image(img, 64)
+    item = PreparedMedia(IMAGE, "7" * 64, pv, grid, tokens)
+    runner = fam.load(art, device="cuda")
+    runner.allocate_cache(2, 1)
+    resident = fam.vision_tower(art, "cuda", None).encode(item)
+    overlay = OverlayResidency.load(fam, art, runner, None)
+    overlay.attach(PagePool(2), runner)
+    weights = [t.clone() for t in runner.evictable_weights()]
+    got = overlay.encode(item)
+    assert overlay.windows == {"kv": 0, "tail": 1, "allocator": 0} and overlay.tail.open is None
+    assert got.device.type == "cpu" and got.is_pinned() and torch.equal(got.to("cuda"), resident)
+    assert all(torch.equal(a, b) for a, b in zip(runner.evictable_weights(), weights))
+    print(f"PARITY overlay weight-tail window on CUDA: equals resident {torch.equal(got.to('cuda'), resident)}, "
+          f"evicted {overlay.last_encode['evict_bytes'] / 2**20:.2f} MiB in {overlay.last_encode['evict_ms']:.1f} ms, "
+          f"restored in {overlay.last_encode['restore_ms']:.1f} ms")

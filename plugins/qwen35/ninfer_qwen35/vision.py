@@ -91,7 +91,17 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs).reshape(n, -1))
 
 
+def _norm(norm: nn.LayerNorm, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """LayerNorm of the fp32 residual stream in fp32, rounded once to the matmul dtype."""
+    w, b = norm.weight, norm.bias
+    return F.layer_norm(x.float(), norm.normalized_shape, w.float(), b.float(), norm.eps).to(dtype)
+
+
 class VisionBlock(nn.Module):
+    """One ViT block over the residual stream `x`, kept in fp32 whatever the weights' dtype: 27
+    bf16 residual adds would round the stream 54 times, so only the matmul inputs are rounded
+    (the norms run in fp32, each branch's output is added in fp32)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
@@ -103,8 +113,9 @@ class VisionBlock(nn.Module):
         self.act = _act(cfg.hidden_act)
 
     def forward(self, x, cos, sin, frames):
-        x = x + self.attn(self.norm1(x), cos, sin, frames)
-        return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
+        dt = self.norm1.weight.dtype
+        x = x + self.attn(_norm(self.norm1, x, dt), cos, sin, frames).float()
+        return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(_norm(self.norm2, x, dt)))).float()
 
 
 class PatchMerger(nn.Module):
@@ -116,7 +127,8 @@ class PatchMerger(nn.Module):
         self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x).reshape(-1, self.width)
+        """The fp32 residual stream -> embeddings in the weights' dtype."""
+        x = _norm(self.norm, x, self.norm.weight.dtype).reshape(-1, self.width)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
@@ -195,7 +207,7 @@ class Qwen35VisionModel(nn.Module):
             cos.append(c.repeat(t, 1))
             sin.append(s.repeat(t, 1))
             frames += [h * w] * t
-        x = x + torch.cat(pos).to(x.dtype)
+        x = x.float() + torch.cat(pos)  # the residual stream stays in fp32 (VisionBlock)
         return x, torch.cat(cos), torch.cat(sin), frames
 
 
