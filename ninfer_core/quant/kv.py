@@ -66,7 +66,9 @@ class KVFormat:
 
         xf = x.float()
         amax = xf.abs().amax(-1)
-        scale = torch.where(amax > 0, amax / _QMAX[kind], torch.ones_like(amax))
+        # a tensor divisor, not a Python number: on CUDA torch divides by a scalar as a multiply by
+        # its reciprocal (off by an ulp at times), and the fused write (kv_attention) divides exactly
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, _QMAX[kind]), torch.ones_like(amax))
         y = xf / scale[..., None]
         if kind == "fp8":
             return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
