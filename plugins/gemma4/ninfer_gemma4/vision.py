@@ -84,6 +84,10 @@ class Norm(nn.Module):
     def forward(self, x):
         return _rms(x, self.weight, self.eps)
 
+    def f32(self, x):
+        """The norm in fp32, left in fp32 (for the blocks' fp32 residual stream)."""
+        return _rms(x.float(), self.weight, self.eps)
+
 
 class ClippableLinear(nn.Module):
     """A bias-free linear (`.linear`), its input and output clamped to stored bounds when the
@@ -171,9 +175,10 @@ class VisionAttention(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q = _axial_rope(self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)), cos, sin)
-        k = _axial_rope(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
+        n, dt = x.shape[0], x.dtype
+        # q/k norms and the rotation in fp32 (cos/sin are fp32), rounded once for the attention
+        q = _axial_rope(self.q_norm.f32(self.q_proj(x).view(n, self.heads, self.head_dim)), cos, sin).to(dt)
+        k = _axial_rope(self.k_norm.f32(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin).to(dt)
         v = _rms(self.v_proj(x).view(n, self.kv_heads, self.head_dim), None, self.eps)
         rep = self.heads // self.kv_heads
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, N, d]
@@ -200,10 +205,16 @@ class VisionBlock(nn.Module):
         self.act = _act(cfg.hidden_activation)
 
     def forward(self, x, cos, sin):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
-        y = self.pre_feedforward_layernorm(x)
+        """The residual stream `x` stays in fp32 whatever the weights' dtype (as the Qwen3.5
+        tower's): only the matmul inputs are rounded, the four norms run in fp32 and each branch is
+        added in fp32. A bf16 stream, rounded twice a block, put the 31B tower's bf16 at 1.08e-2 of
+        fp32 on the H200; an fp32 tower is unchanged."""
+        dt = self.input_layernorm.weight.dtype
+        x = x.float()
+        x = x + self.post_attention_layernorm.f32(self.self_attn(self.input_layernorm.f32(x).to(dt), cos, sin))
+        y = self.pre_feedforward_layernorm.f32(x).to(dt)
         y = self.mlp.down_proj(self.act(self.mlp.gate_proj(y)) * self.mlp.up_proj(y))
-        return x + self.post_feedforward_layernorm(y)
+        return x + self.post_feedforward_layernorm.f32(y)
 
 
 class Gemma4VisionModel(nn.Module):
@@ -240,7 +251,7 @@ class Gemma4VisionModel(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=xy.device) / spatial))
         fx, fy = xy[:, 0:1].float() * inv, xy[:, 1:2].float() * inv
         ang = torch.cat([fx, fx, fy, fy], dim=-1)
-        return ang.cos().to(self.dtype), ang.sin().to(self.dtype)
+        return ang.cos(), ang.sin()  # fp32: the attention rotates in fp32 and rounds q, k once
 
     def embed(self, pixel_values: torch.Tensor, grid: tuple[int, int]):
         """(patch embeddings + positions [N, hidden], cos, sin) of one ph x pw image."""
@@ -253,7 +264,7 @@ class Gemma4VisionModel(nn.Module):
         yy, xx = torch.meshgrid(torch.arange(ph, device=dev), torch.arange(pw, device=dev), indexing="ij")
         xy = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=-1)  # [N, 2] (column, row)
         table = self.patch_embedder.position_embedding_table
-        x = x + (table.lookup(0, xy[:, 0]) + table.lookup(1, xy[:, 1]))
+        x = x.float() + (table.lookup(0, xy[:, 0]).float() + table.lookup(1, xy[:, 1]).float())  # fp32 stream
         cos, sin = self._rope(xy)
         return x, cos, sin
 
@@ -263,11 +274,11 @@ class Gemma4VisionModel(nn.Module):
         ph, pw = grid
         k = self.cfg.pooling_kernel_size
         h = x.shape[-1]
-        pooled = x.float().reshape(ph // k, k, pw // k, k, h).mean(dim=(1, 3)).reshape(-1, h).to(x.dtype)
+        pooled = x.float().reshape(ph // k, k, pw // k, k, h).mean(dim=(1, 3)).reshape(-1, h).to(self.dtype)
         soft = pooled.float() * (self.cfg.hidden_size ** 0.5)
         if self.cfg.standardize:
             soft = (soft - self.std_bias.float()) * self.std_scale.float()
-        soft = soft.to(x.dtype)
+        soft = soft.to(self.dtype)
         return self.embed_vision.embedding_projection(_rms(soft, None, self.cfg.rms_norm_eps))
 
     @torch.inference_mode()
