@@ -38,6 +38,16 @@ new MutationObserver(() => {
   if (m) for (const t of m) if (!window.__progress.includes(t)) window.__progress.push(t);
 }).observe(document, {subtree: true, childList: true, characterData: true});
 """
+# Recorded in the page: whether each text pushed onto window.__needles was ever in the document. The
+# reasoning block collapses (its text leaves the DOM) as soon as the answer starts, so the budget's
+# close may be visible for a fraction of a second only: polling the page from here missed it once.
+TEXT_WATCH = """
+window.__needles = []; window.__found = {};
+new MutationObserver(() => {
+  const t = (document.body && document.body.textContent) || '';
+  for (const n of window.__needles) if (!window.__found[n] && t.includes(n)) window.__found[n] = true;
+}).observe(document, {subtree: true, childList: true, characterData: true});
+"""
 
 
 def _chromium() -> str:
@@ -74,9 +84,19 @@ class Page:
         self.context = browser.new_context(viewport={"width": 1280, "height": 900})
         self.page = self.context.new_page()
         self.page.add_init_script(PROGRESS_WATCH)
+        self.page.add_init_script(TEXT_WATCH)
+        self.controls: list[str] = []  # the answers of POST /v1/chat/completions/control
+        self.page.on("response", self._response)
         self.page.on("console", self._console)
         self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
         self.n = 0
+
+    def _response(self, resp) -> None:
+        if resp.url.endswith("/v1/chat/completions/control"):
+            try:
+                self.controls.append(f"{resp.status} {resp.text()}")
+            except Exception as exc:  # noqa: BLE001 - the page may be gone; say so in the record
+                self.controls.append(f"{resp.status} (body unread: {exc})")
 
     def _console(self, msg) -> None:
         if msg.type != "error":
@@ -145,12 +165,16 @@ def test_webui_skip_reasoning_and_stop(browser, launch, tiny_artifact, tmp_path)
         skip.wait_for(state="visible", timeout=120_000)
         page.page.get_by_text("Reasoning").first.wait_for(timeout=120_000)
         page.shot("reasoning")
+        needle = BUDGET_MESSAGE.strip()[:40]
+        page.page.evaluate("n => window.__needles.push(n)", needle)
         skip.click()
         # The server closes the thinking with the budget's close; the answer streams after it.
         deadline = time.monotonic() + 120
-        while BUDGET_MESSAGE.strip()[:40] not in page.page.evaluate("document.body.textContent"):
-            assert time.monotonic() < deadline, page.page.inner_text("body")[-2000:]
+        while not page.page.evaluate("n => !!window.__found[n]", needle):
+            assert time.monotonic() < deadline, (page.controls, page.page.inner_text("body")[-2000:])
             time.sleep(0.2)
+        assert page.controls and page.controls[0].startswith("200") and '"success":true' in page.controls[0].replace(
+            " ", ""), page.controls
         page.shot("reasoning-skipped")
         assert page.stop_button().is_visible()  # still generating: the answer goes on
         page.stop_button().click()
