@@ -128,7 +128,11 @@ for name in ["int8-g32", "int4-g64", "int4-g128", "fp8_e4m3-row", "fp8_e4m3-g32"
         assert torch.equal(dequantize_rows(qw, torch.float32), qw.dequantize())
         for m, cfg in ((1, QG.Config(16, 64, 1, 1, 4, dot=False, split=2)), (3, QG.Config(16, 64, 1, 1, 4, split=3)),
                        (8, QG.Config(16, 128, 1, 1, 4, split=2)), (5, QG.Config(32, 64, 1, 1, 4)),
-                       (12, ("gemm", 16, 16, 64))):
+                       (12, ("gemm", 16, 16, 64)),
+                       # the scale-after-dot kernel: split, several groups a tile, one row, a K tail
+                       (3, QG.Config(16, 64, 1, 1, 4, split=3, group=True)),
+                       (8, QG.Config(16, 128, 1, 1, 4, split=2, group=True)),
+                       (1, QG.Config(32, 64, 1, 1, 4, group=True))):
             x = torch.randn(m, k, generator=g)
             ref = reference_linear(x, qw)
             err = float((triton_linear(x, qw, cfg) - ref).abs().max())

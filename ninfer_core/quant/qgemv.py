@@ -56,10 +56,15 @@ class Config:
     waves: int  # programs wanted per SM; sets the K split
     dot: bool = True  # False: the fp32 FMA path (one row; fp32 tests)
     split: int = 0  # >0 forces the K split (tests)
+    group: bool = False  # the scale-after-dot kernel (_qgemv_group_kernel): see its comment
 
 
 CANDIDATES = [Config(64, 128, 4, 3, 2), Config(32, 256, 4, 3, 4), Config(128, 128, 8, 3, 1),
-              Config(32, 512, 4, 2, 4), Config(16, 512, 4, 2, 8)]
+              Config(32, 512, 4, 2, 4), Config(16, 512, 4, 2, 8),
+              Config(64, 128, 4, 3, 2, group=True), Config(128, 128, 4, 3, 1, group=True),
+              Config(32, 256, 4, 3, 4, group=True), Config(128, 256, 8, 3, 1, group=True),
+              Config(64, 256, 4, 4, 2, group=True), Config(256, 128, 8, 3, 1, group=True)]
+
 _FP32 = Config(16, 64, 4, 1, 4, dot=False)  # fp32 activations (CPU-side tests): exact products
 _FP32_ROWS = Config(16, 64, 4, 1, 4)
 _INTERP = Config(16, 64, 1, 1, 4)
@@ -198,6 +203,110 @@ if HAVE_TRITON:
             tl.store(Y + yoff, acc.to(Y.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _run_dot(Q, S, X, rows, col0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME: tl.constexpr,
+                 GC: tl.constexpr, MASK_K: tl.constexpr, IEEE: tl.constexpr):
+        """fp32 [len(rows), BLOCK_M]: the integer (fp8: unscaled) weight values of columns col0 ..
+        col0 + GC (one scale group's run) dotted with x's columns there; the caller scales it."""
+        if SCHEME == 1:  # int4: byte j holds columns 2j (low nibble) and 2j + 1
+            e = tl.arange(0, GC // 2)
+            col = col0 + 2 * e
+            if MASK_K:
+                raw = tl.load(Q + rows[:, None] * s_q + (col // 2)[None, :], mask=(col < K)[None, :], other=0)
+                xm = m_mask[None, :] & (col < K)[:, None]
+            else:
+                raw = tl.load(Q + rows[:, None] * s_q + (col // 2)[None, :])
+                xm = m_mask[None, :]
+            b = raw.to(tl.int32)
+            # nibbles into the mantissa of 2^23, minus 2^23 + 8: exact small integers, no conversion unit
+            lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            # x de-interleaved into its even and odd columns (x is tiny and cached) instead of the
+            # weight interleaved back into column order (a register shuffle per element)
+            xe = tl.load(X + offs_m[None, :] * s_xm + col[:, None], mask=xm, other=0.0)
+            xo = tl.load(X + offs_m[None, :] * s_xm + col[:, None] + 1, mask=xm, other=0.0)
+            if IEEE:
+                part = tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
+                part = tl.dot(hi, xo.to(tl.float32), part, input_precision="ieee")
+            else:  # small integers are exact in bf16 / fp16
+                part = tl.dot(lo.to(xe.dtype), xe)
+                part = tl.dot(hi.to(xo.dtype), xo, part)
+        else:
+            col = col0 + tl.arange(0, GC)
+            if MASK_K:
+                raw = tl.load(Q + rows[:, None] * s_q + col[None, :], mask=(col < K)[None, :], other=0)
+                xm = m_mask[None, :] & (col < K)[:, None]
+            else:
+                raw = tl.load(Q + rows[:, None] * s_q + col[None, :])
+                xm = m_mask[None, :]
+            xt = tl.load(X + offs_m[None, :] * s_xm + col[:, None], mask=xm, other=0.0)
+            if SCHEME == 0:
+                v = (raw.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+            else:  # fp8 e4m3: every value is exact in bf16
+                v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if IEEE:
+                part = tl.dot(v, xt.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(v.to(xt.dtype), xt)
+        return part
+
+    @triton.jit
+    def _qgemv_group_kernel(X, Q, S, Y, P, CNT, M, N, K, SG, SPLIT_K, s_xm, s_q, s_s, s_ym,
+                            SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            GPI: tl.constexpr, GC: tl.constexpr, PER_ROW: tl.constexpr, SPLIT: tl.constexpr,
+                            MASK_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
+        """The scale-after-dot GEMV: each run of GC columns inside one scale group is dotted as raw
+        integers (exact in bf16) with x, and the fp32 [BLOCK_N, BLOCK_M] result is scaled by that
+        group's [BLOCK_N] scales. Against _qgemv_kernel this drops the per-element scale multiply and
+        the [BLOCK_N, GPI, GC] -> [BLOCK_N, BK] reshape (and, for int4, the interleave), so the
+        dequantised tile can go to the MMA without a trip through shared memory. The products are
+        exact rather than rounded to bf16 first (closer to the fp32 reference, not the same bits as
+        the other kernel: one kernel per weight, picked once, serves every row count)."""
+        BK: tl.constexpr = GPI * GC
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        span = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
+        k_lo = pid_k * span
+        k_hi = tl.minimum(k_lo + span, K)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            for gi in tl.static_range(GPI):
+                c0 = k0 + gi * GC
+                part = _run_dot(Q, S, X, rows, c0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME, GC, MASK_K, IEEE)
+                if PER_ROW:
+                    acc += part
+                else:
+                    if MASK_K:
+                        sc = tl.load(S + rows * s_s + c0 // SG, mask=n_mask & ((offs_n * 0 + c0) < K), other=0).to(tl.float32)
+                    else:
+                        sc = tl.load(S + rows * s_s + c0 // SG).to(tl.float32)
+                    acc += part * sc[:, None]
+        if PER_ROW:
+            acc = acc * tl.load(S + rows * s_s).to(tl.float32)[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+        poff = offs_m[None, :] * N + offs_n[:, None]
+        yoff = offs_m[None, :].to(tl.int64) * s_ym + offs_n[:, None]
+        if SPLIT:
+            mn = M * N
+            tl.store(P + pid_k * mn + poff, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is issued before the release below
+            arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last program of this row block: sum in split order
+                tl.debug_barrier()
+                tot = tl.zeros_like(acc)
+                for s in range(SPLIT_K):
+                    tot += tl.load(P + s * mn + poff, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + yoff, tot.to(Y.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch / graph replay
+        else:
+            tl.store(Y + yoff, acc.to(Y.dtype.element_ty), mask=mask)
+
+
 def tile_shape(enc, k: int, block_k: int) -> tuple[int, int, int]:
     """(SG, GPI, GC): the scale group, and a block_k tile as GPI runs of GC columns each inside one
     group (per-row scales: one run)."""
@@ -219,12 +328,20 @@ def launch(cfg: Config, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, enc, 
     """One call of the kernel: x [M, K] (rows contiguous), q/s the packed rows and scales, y [M, N]."""
     m = x.shape[0]
     assert cfg.dot or m == 1, "the FMA path is for one row"
+    assert cfg.dot or not cfg.group, "the scale-after-dot kernel has no FMA path"
     n = q.shape[0]
     sg, gpi, gc = tile_shape(enc, k, cfg.block_k)
     tiles = -(-n // cfg.block_n)
     split = split_for(cfg, n, k, x.device) if tiles <= COUNTER_SLOTS else 1
     cnt = _counters(x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else cnt
+    if cfg.group:
+        _qgemv_group_kernel[(tiles, split)](
+            x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
+            SCHEME=SCHEME_IDS[enc.scheme], BLOCK_M=16, BLOCK_N=cfg.block_n, GPI=gpi, GC=gc,
+            PER_ROW=sg >= k, SPLIT=split > 1, MASK_K=k % cfg.block_k != 0,
+            IEEE=x.dtype == torch.float32 or not x.is_cuda, STAGES=cfg.stages, num_warps=cfg.warps)
+        return y
     _qgemv_kernel[(tiles, split)](
         x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
         SCHEME=SCHEME_IDS[enc.scheme], BLOCK_M=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, GPI=gpi, GC=gc,
