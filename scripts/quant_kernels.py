@@ -125,6 +125,26 @@ def prefill_table(cfg: dict, encs: list[str], m: int = 1024) -> list[dict]:
     for enc_name in encs:
         qw = QuantizedWeight.from_float(w.float(), parse_encoding(enc_name), dtype=torch.bfloat16)
         ref = F.linear(x.float(), qw.dequantize(torch.float32))
+        import ninfer_core.quant.kernels as QK
+
+        default = QK.DEQUANT_CFG
+        scratch = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
+        for dcfg in QK.DEQUANT_CANDIDATES:  # the dequantiser alone, each program shape
+            if dcfg[3] and not enc_name.startswith("int4"):
+                continue
+            QK.DEQUANT_CFG = dcfg
+            try:
+                t = graph_ms(lambda qw=qw: QK.dequantize_rows(qw, torch.bfloat16, out=scratch))
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile is not a candidate
+                print(f"    {enc_name:10} dequant {dcfg}: {type(e).__name__}", flush=True)
+                continue
+            gbs = (qw.nbytes + scratch.numel() * 2) / (t * 1e-3) / 1e9
+            print(f"    {enc_name:10} dequant rows {dcfg[0]} cols {dcfg[1]} warps {dcfg[2]}{' pairs' if dcfg[3] else ''}: "
+                  f"{t * 1e3:7.1f} us "
+                  f"({gbs:,.0f} GB/s read + written)", flush=True)
+            out.append({"enc": enc_name, "path": f"dequant {dcfg}", "us": t * 1e3, "GBps": gbs})
+        QK.DEQUANT_CFG = default
+        del scratch
         for path in ("scratch", "gemm"):
             cfg = ("scratch",) if path == "scratch" else None
             if path == "gemm":

@@ -126,6 +126,10 @@ for name in ["int8-g32", "int4-g64", "int4-g128", "fp8_e4m3-row", "fp8_e4m3-g32"
     for n, k in ((40, 256), (33, 384 if "g128" in name else 320)):
         qw = QuantizedWeight.from_float(torch.randn(n, k, generator=g), enc)
         assert torch.equal(dequantize_rows(qw, torch.float32), qw.dequantize())
+        import ninfer_core.quant.kernels as QK
+        QK.DEQUANT_CFG = (16, 64, 1, True)  # int4's stride-2 nibble stores
+        assert torch.equal(dequantize_rows(qw, torch.float32), qw.dequantize())
+        QK.DEQUANT_CFG = (32, 256, 4, False)
         for m, cfg in ((1, QG.Config(16, 64, 1, 1, 4, dot=False, split=2)), (3, QG.Config(16, 64, 1, 1, 4, split=3)),
                        (8, QG.Config(16, 128, 1, 1, 4, split=2)), (5, QG.Config(32, 64, 1, 1, 4)),
                        (12, ("gemm", 16, 16, 64)),
