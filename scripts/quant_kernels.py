@@ -72,7 +72,7 @@ def graph_ms(fn, repeats: int = 5) -> float:
 
 
 def cfg_str(c) -> str:
-    return f"{'grp ' if c.group else ''}n{c.block_n} k{c.block_k} w{c.warps} s{c.stages} v{c.waves}"
+    return f"{'grp ' if c.group else ''}{f'i4={c.i4} ' if c.i4 else ''}n{c.block_n} k{c.block_k} w{c.warps} s{c.stages} v{c.waves}"
 
 
 def decode_table(cfgs: dict, encs: list[str], rows, read: float, t_end: float) -> list[dict]:
@@ -94,7 +94,7 @@ def decode_table(cfgs: dict, encs: list[str], rows, read: float, t_end: float) -
                         return out
                     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                     y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                    best, times = QG.tune(QG.CANDIDATES, lambda c, qc, sc, x=x, y=y, enc=qw.enc, k=k: QG.launch(c, x, qc, sc, enc, k, y),
+                    best, times = QG.tune(list(dict.fromkeys(QG.candidates(qw.enc) + QG.CANDIDATES)), lambda c, qc, sc, x=x, y=y, enc=qw.enc, k=k: QG.launch(c, x, qc, sc, enc, k, y),
                                           q, s)
                     got = triton_linear(x, qw, best)
                     ref = reference_linear(x.float(), qw.to(dtype=torch.float32))
@@ -130,8 +130,6 @@ def prefill_table(cfg: dict, encs: list[str], m: int = 1024) -> list[dict]:
         default = QK.DEQUANT_CFG
         scratch = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
         for dcfg in QK.DEQUANT_CANDIDATES:  # the dequantiser alone, each program shape
-            if dcfg[3] and not enc_name.startswith("int4"):
-                continue
             QK.DEQUANT_CFG = dcfg
             try:
                 t = graph_ms(lambda qw=qw: QK.dequantize_rows(qw, torch.bfloat16, out=scratch))
@@ -139,7 +137,7 @@ def prefill_table(cfg: dict, encs: list[str], m: int = 1024) -> list[dict]:
                 print(f"    {enc_name:10} dequant {dcfg}: {type(e).__name__}", flush=True)
                 continue
             gbs = (qw.nbytes + scratch.numel() * 2) / (t * 1e-3) / 1e9
-            print(f"    {enc_name:10} dequant rows {dcfg[0]} cols {dcfg[1]} warps {dcfg[2]}{' pairs' if dcfg[3] else ''}: "
+            print(f"    {enc_name:10} dequant rows {dcfg[0]} cols {dcfg[1]} warps {dcfg[2]}: "
                   f"{t * 1e3:7.1f} us "
                   f"({gbs:,.0f} GB/s read + written)", flush=True)
             out.append({"enc": enc_name, "path": f"dequant {dcfg}", "us": t * 1e3, "GBps": gbs})

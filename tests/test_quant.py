@@ -93,6 +93,7 @@ def test_reference_linear_blocks_large_heads_without_changing_the_result():
 
 
 KERNEL_CASE = r"""
+import dataclasses
 import torch
 from ninfer_core.quant.encodings import parse_encoding
 from ninfer_core.quant.weight import QuantizedWeight, reference_linear, quantized_linear
@@ -126,25 +127,36 @@ for name in ["int8-g32", "int4-g64", "int4-g128", "fp8_e4m3-row", "fp8_e4m3-g32"
     for n, k in ((40, 256), (33, 384 if "g128" in name else 320)):
         qw = QuantizedWeight.from_float(torch.randn(n, k, generator=g), enc)
         assert torch.equal(dequantize_rows(qw, torch.float32), qw.dequantize())
-        import ninfer_core.quant.kernels as QK
-        QK.DEQUANT_CFG = (16, 64, 1, True)  # int4's stride-2 nibble stores
-        assert torch.equal(dequantize_rows(qw, torch.float32), qw.dequantize())
-        QK.DEQUANT_CFG = (32, 256, 4, False)
         for m, cfg in ((1, QG.Config(16, 64, 1, 1, 4, dot=False, split=2)), (3, QG.Config(16, 64, 1, 1, 4, split=3)),
                        (8, QG.Config(16, 128, 1, 1, 4, split=2)), (5, QG.Config(32, 64, 1, 1, 4)),
                        (12, ("gemm", 16, 16, 64)),
                        # the scale-after-dot kernel: split, several groups a tile, one row, a K tail
                        (3, QG.Config(16, 64, 1, 1, 4, split=3, group=True)),
                        (8, QG.Config(16, 128, 1, 1, 4, split=2, group=True)),
-                       (1, QG.Config(32, 64, 1, 1, 4, group=True))):
+                       (1, QG.Config(32, 64, 1, 1, 4, group=True)),
+                       # int4 with x split in registers / the weight joined (others: the same kernel)
+                       (3, QG.Config(16, 128, 1, 1, 4, split=2, group=True, i4=1)),
+                       (2, QG.Config(16, 128, 1, 1, 4, split=2, group=True, i4=2))):
             x = torch.randn(m, k, generator=g)
             ref = reference_linear(x, qw)
             err = float((triton_linear(x, qw, cfg) - ref).abs().max())
             assert err < 1e-4 * max(1.0, float(ref.abs().max())), (name, n, k, m, cfg, err)
     xb = torch.randn(4, k, generator=g).to(torch.bfloat16)
     qb = QuantizedWeight.from_float(torch.randn(n, k, generator=g), enc, dtype=torch.bfloat16)
+    for c in QG.candidates(enc):  # every candidate `pick` may choose on CUDA, at its real tile
+        x = torch.randn(2, k, generator=g)
+        ref = reference_linear(x, qw)
+        err = float((triton_linear(x, qw, dataclasses.replace(c, warps=1)) - ref).abs().max())
+        assert err < 1e-4 * max(1.0, float(ref.abs().max())), (name, c, err)
     rb = reference_linear(xb, qb).float()
     assert float((triton_linear(xb, qb).float() - rb).abs().max()) <= 0.01 * float(rb.abs().max()), name
+# a weight of more rows than one scratch block: blocks of whole multiples of 256 rows
+import ninfer_core.quant.kernels as QK
+QK._SCRATCH_ELEMS = 300 * 64
+qw = QuantizedWeight.from_float(torch.randn(600, 64, generator=g), parse_encoding("int8-g32"))
+x = torch.randn(20, 64, generator=g)
+ref = reference_linear(x, qw)
+assert float((triton_linear(x, qw, ("scratch",)) - ref).abs().max()) < 1e-4 * float(ref.abs().max())
 print("kernels ok")
 """
 

@@ -85,28 +85,16 @@ def _qgemm_kernel(X, Q, S, Y, M, N, K, SG, s_xm, s_q, s_s, s_ym, SCHEME: tl.cons
 
 @triton.jit
 def _dequant_kernel(Q, S, W, N, K, SG, s_q, s_s, s_w, SCHEME: tl.constexpr, BLOCK_R: tl.constexpr,
-                    GPI: tl.constexpr, GC: tl.constexpr, MASK_K: tl.constexpr, PAIRS: tl.constexpr):
+                    GPI: tl.constexpr, GC: tl.constexpr, MASK_K: tl.constexpr):
     BK: tl.constexpr = GPI * GC
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < N
     rows = tl.where(r_mask, offs_r, 0).to(tl.int64)
     k0 = tl.program_id(1) * BK
-    if PAIRS:  # int4: the low and high nibbles stored as two stride-2 writes, not interleaved in registers
-        j = tl.arange(0, BK // 2)
-        col = k0 + 2 * j
-        raw = tl.load(Q + rows[:, None] * s_q + (col // 2)[None, :], mask=(col < K)[None, :], other=0).to(tl.int32)
-        sc = tl.load(S + rows[:, None] * s_s + (col // SG)[None, :], mask=(col < K)[None, :], other=0).to(tl.float32)
-        lo = (((raw & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * sc
-        hi = (((raw >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * sc
-        m = r_mask[:, None] & (col < K)[None, :]
-        ptr = W + rows[:, None] * s_w + col[None, :]
-        tl.store(ptr, lo.to(W.dtype.element_ty), mask=m)
-        tl.store(ptr + 1, hi.to(W.dtype.element_ty), mask=m)
-    else:
-        w = tl.reshape(dequant_tile(Q, S, rows, k0, K, SG, s_q, s_s, SCHEME, GPI, GC, MASK_K), [BLOCK_R, BK])
-        kk = k0 + tl.arange(0, BK)
-        tl.store(W + rows[:, None] * s_w + kk[None, :], w.to(W.dtype.element_ty),
-                 mask=r_mask[:, None] & (kk < K)[None, :])
+    w = tl.reshape(dequant_tile(Q, S, rows, k0, K, SG, s_q, s_s, SCHEME, GPI, GC, MASK_K), [BLOCK_R, BK])
+    kk = k0 + tl.arange(0, BK)
+    tl.store(W + rows[:, None] * s_w + kk[None, :], w.to(W.dtype.element_ty),
+             mask=r_mask[:, None] & (kk < K)[None, :])
 
 
 def kernel_operands(w):
@@ -126,26 +114,28 @@ def dequantize_rows(w, dtype: torch.dtype, rows: slice | None = None, out: torch
         q, s = q[rows], s[rows]
     n, k = q.shape[0], w.in_features
     out = out if out is not None else torch.empty(n, k, dtype=dtype, device=q.device)
-    br, bk, warps, pairs = (16, 64, 1, DEQUANT_CFG[3]) if _INTERPRET else DEQUANT_CFG
+    br, bk, warps = (16, 64, 1) if _INTERPRET else DEQUANT_CFG
     sg, gpi, gc = tile_shape(w.enc, k, bk)
     _dequant_kernel[(triton.cdiv(n, br), triton.cdiv(k, bk))](
         q, s, out, n, k, sg, q.stride(0), s.stride(0), out.stride(0), SCHEME=SCHEME_IDS[w.enc.scheme], BLOCK_R=br,
-        GPI=gpi, GC=gc, MASK_K=k % bk != 0, PAIRS=bool(pairs) and w.enc.scheme in ("int4", "q4"), num_warps=warps)
+        GPI=gpi, GC=gc, MASK_K=k % bk != 0, num_warps=warps)
     return out
 
 
-# (rows, columns, warps) of one program of the scratch dequantiser on CUDA; scripts/quant_kernels.py
-# times the alternatives in DEQUANT_CANDIDATES
-# (the fourth: int4 stores its nibbles as two stride-2 writes instead of interleaving them)
-DEQUANT_CFG = (32, 256, 4, False)
-DEQUANT_CANDIDATES = [(32, 256, 4, False), (64, 256, 8, False), (32, 512, 8, False), (64, 512, 8, False),
-                      (16, 1024, 8, False), (128, 128, 8, False), (32, 256, 4, True), (64, 512, 8, True),
-                      (32, 1024, 8, True)]
+# (rows, columns, warps) of one program of the scratch dequantiser on CUDA. On the H200 (2026-12-03,
+# 24576 x 4096) int8 ran at 3.4-3.6 TB/s read + written with every shape tried; int4 at 1.0-1.1 TB/s
+# except 16 x 1024 (2.0 TB/s; its nibbles stored as two stride-2 writes instead: 0.16 TB/s).
+# scripts/quant_kernels.py times DEQUANT_CANDIDATES.
+DEQUANT_CFG = (16, 1024, 8)
+DEQUANT_CANDIDATES = [(16, 1024, 8), (64, 256, 8), (8, 2048, 8), (16, 2048, 8), (32, 1024, 8), (8, 1024, 4)]
 
 
 def _scratch_linear(x: torch.Tensor, w) -> torch.Tensor:
     n, k = w.shape[0], w.in_features
-    step = max(1, _SCRATCH_ELEMS // k)
+    # whole multiples of 256 rows: a block's output [M, step] is cuBLAS's leading dimension, and
+    # an unaligned one (13107 at the 27B's K = 5120) sent it to sm75 fallback GEMMs that took 1.3 s
+    # of a 1.56 s 27B prefill on the H200 (x0.16 of matmul-only against the 9B's x0.62)
+    step = max(256, _SCRATCH_ELEMS // k // 256 * 256)
     if n <= step:
         return F.linear(x, dequantize_rows(w, x.dtype))
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)

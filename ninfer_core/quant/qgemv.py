@@ -57,13 +57,32 @@ class Config:
     dot: bool = True  # False: the fp32 FMA path (one row; fp32 tests)
     split: int = 0  # >0 forces the K split (tests)
     group: bool = False  # the scale-after-dot kernel (_qgemv_group_kernel): see its comment
+    i4: int = 0  # int4 in that kernel: 0 x read at stride 2, 1 x split in registers, 2 weight joined
 
 
+def _g(bn, bk, warps, stages, waves, i4=0):
+    return Config(bn, bk, warps, stages, waves, group=True, i4=i4)
+
+
+# The candidates `pick` times per weight, by scheme. On the H200 (2026-12-03) the scale-after-dot
+# kernel read int8 at 0.42-0.64 of the stream (grp n64 k128 w4 s3 v2 the best everywhere) against
+# 0.21-0.31 for the per-element-scale kernel; int4 stayed at 0.05-0.06 in both (x at stride 2 in
+# the first, the interleave in the second), hence the i4 variants.
+CANDIDATES_BY_SCHEME = {
+    "int8": [_g(64, 128, 4, 3, 2), _g(32, 128, 4, 3, 4), _g(64, 128, 4, 4, 2), _g(64, 64, 4, 4, 2),
+             _g(128, 128, 4, 3, 1), _g(32, 256, 4, 3, 4)],
+    "int4": [Config(16, 512, 4, 2, 8), _g(64, 128, 4, 3, 2, 1), _g(64, 128, 4, 3, 2, 2), _g(32, 256, 4, 3, 4, 1),
+             _g(32, 256, 4, 3, 4, 2), _g(64, 256, 4, 3, 2, 2), _g(16, 512, 4, 2, 8, 2)],
+}
+CANDIDATES_BY_SCHEME["fp8_e4m3"] = CANDIDATES_BY_SCHEME["int8"]
+CANDIDATES_BY_SCHEME["q4"] = CANDIDATES_BY_SCHEME["int4"]
+# the kernel table (scripts/quant_kernels.py) times these too: the per-element-scale kernel's set
 CANDIDATES = [Config(64, 128, 4, 3, 2), Config(32, 256, 4, 3, 4), Config(128, 128, 8, 3, 1),
-              Config(32, 512, 4, 2, 4), Config(16, 512, 4, 2, 8),
-              Config(64, 128, 4, 3, 2, group=True), Config(128, 128, 4, 3, 1, group=True),
-              Config(32, 256, 4, 3, 4, group=True), Config(128, 256, 8, 3, 1, group=True),
-              Config(64, 256, 4, 4, 2, group=True), Config(256, 128, 8, 3, 1, group=True)]
+              Config(32, 512, 4, 2, 4), Config(16, 512, 4, 2, 8)]
+
+
+def candidates(enc) -> list:
+    return CANDIDATES_BY_SCHEME.get(enc.scheme, CANDIDATES)
 
 _FP32 = Config(16, 64, 4, 1, 4, dot=False)  # fp32 activations (CPU-side tests): exact products
 _FP32_ROWS = Config(16, 64, 4, 1, 4)
@@ -205,7 +224,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _run_dot(Q, S, X, rows, col0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME: tl.constexpr,
-                 GC: tl.constexpr, MASK_K: tl.constexpr, IEEE: tl.constexpr):
+                 GC: tl.constexpr, MASK_K: tl.constexpr, IEEE: tl.constexpr, I4: tl.constexpr):
         """fp32 [len(rows), BLOCK_M]: the integer (fp8: unscaled) weight values of columns col0 ..
         col0 + GC (one scale group's run) dotted with x's columns there; the caller scales it."""
         if SCHEME == 1:  # int4: byte j holds columns 2j (low nibble) and 2j + 1
@@ -223,14 +242,38 @@ if HAVE_TRITON:
             hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
             # x de-interleaved into its even and odd columns (x is tiny and cached) instead of the
             # weight interleaved back into column order (a register shuffle per element)
-            xe = tl.load(X + offs_m[None, :] * s_xm + col[:, None], mask=xm, other=0.0)
-            xo = tl.load(X + offs_m[None, :] * s_xm + col[:, None] + 1, mask=xm, other=0.0)
-            if IEEE:
-                part = tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
-                part = tl.dot(hi, xo.to(tl.float32), part, input_precision="ieee")
-            else:  # small integers are exact in bf16 / fp16
-                part = tl.dot(lo.to(xe.dtype), xe)
-                part = tl.dot(hi.to(xo.dtype), xo, part)
+            if I4 == 2:  # the weight joined back into column order, x read contiguous
+                w = tl.reshape(tl.join(lo, hi), [lo.shape[0], GC])
+                cc = col0 + tl.arange(0, GC)
+                if MASK_K:
+                    xt = tl.load(X + offs_m[None, :] * s_xm + cc[:, None], mask=m_mask[None, :] & (cc < K)[:, None],
+                                 other=0.0)
+                else:
+                    xt = tl.load(X + offs_m[None, :] * s_xm + cc[:, None], mask=m_mask[None, :], other=0.0)
+                if IEEE:
+                    part = tl.dot(w, xt.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(w.to(xt.dtype), xt)
+            else:
+                if I4 == 1:  # x read contiguous and split into its even and odd columns in registers
+                    cc = col0 + tl.arange(0, GC)
+                    if MASK_K:
+                        xf = tl.load(X + offs_m[:, None] * s_xm + cc[None, :], mask=m_mask[:, None] & (cc < K)[None, :],
+                                     other=0.0)
+                    else:
+                        xf = tl.load(X + offs_m[:, None] * s_xm + cc[None, :], mask=m_mask[:, None], other=0.0)
+                    xe2, xo2 = tl.split(tl.reshape(xf, [xf.shape[0], GC // 2, 2]))
+                    xe = tl.trans(xe2)
+                    xo = tl.trans(xo2)
+                else:  # x de-interleaved by two stride-2 reads
+                    xe = tl.load(X + offs_m[None, :] * s_xm + col[:, None], mask=xm, other=0.0)
+                    xo = tl.load(X + offs_m[None, :] * s_xm + col[:, None] + 1, mask=xm, other=0.0)
+                if IEEE:
+                    part = tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
+                    part = tl.dot(hi, xo.to(tl.float32), part, input_precision="ieee")
+                else:  # small integers are exact in bf16 / fp16
+                    part = tl.dot(lo.to(xe.dtype), xe)
+                    part = tl.dot(hi.to(xo.dtype), xo, part)
         else:
             col = col0 + tl.arange(0, GC)
             if MASK_K:
@@ -254,7 +297,7 @@ if HAVE_TRITON:
     def _qgemv_group_kernel(X, Q, S, Y, P, CNT, M, N, K, SG, SPLIT_K, s_xm, s_q, s_s, s_ym,
                             SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             GPI: tl.constexpr, GC: tl.constexpr, PER_ROW: tl.constexpr, SPLIT: tl.constexpr,
-                            MASK_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
+                            MASK_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr, I4: tl.constexpr):
         """The scale-after-dot GEMV: each run of GC columns inside one scale group is dotted as raw
         integers (exact in bf16) with x, and the fp32 [BLOCK_N, BLOCK_M] result is scaled by that
         group's [BLOCK_N] scales. Against _qgemv_kernel this drops the per-element scale multiply and
@@ -277,7 +320,7 @@ if HAVE_TRITON:
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             for gi in tl.static_range(GPI):
                 c0 = k0 + gi * GC
-                part = _run_dot(Q, S, X, rows, c0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME, GC, MASK_K, IEEE)
+                part = _run_dot(Q, S, X, rows, c0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME, GC, MASK_K, IEEE, I4)
                 if PER_ROW:
                     acc += part
                 else:
@@ -340,7 +383,7 @@ def launch(cfg: Config, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, enc, 
             x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
             SCHEME=SCHEME_IDS[enc.scheme], BLOCK_M=16, BLOCK_N=cfg.block_n, GPI=gpi, GC=gc,
             PER_ROW=sg >= k, SPLIT=split > 1, MASK_K=k % cfg.block_k != 0,
-            IEEE=x.dtype == torch.float32 or not x.is_cuda, STAGES=cfg.stages, num_warps=cfg.warps)
+            IEEE=x.dtype == torch.float32 or not x.is_cuda, STAGES=cfg.stages, I4=cfg.i4, num_warps=cfg.warps)
         return y
     _qgemv_kernel[(tiles, split)](
         x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
@@ -361,8 +404,8 @@ def pick(x, q, s, enc, k: int, y) -> Config:
     if hit is not None:
         return hit
     if os.environ.get("NINFER_QGEMV_TUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
-        return CANDIDATES[0]
-    _TUNED[key] = best = tune(CANDIDATES, lambda cfg, qc, sc: launch(cfg, x, qc, sc, enc, k, y), q, s)[0]
+        return candidates(enc)[0]
+    _TUNED[key] = best = tune(candidates(enc), lambda cfg, qc, sc: launch(cfg, x, qc, sc, enc, k, y), q, s)[0]
     return best
 
 
