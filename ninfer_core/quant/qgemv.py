@@ -66,8 +66,10 @@ def _g(bn, bk, warps, stages, waves, i4=0):
 
 # The candidates `pick` times per weight, by scheme. On the H200 (2026-12-03) the scale-after-dot
 # kernel read int8 at 0.42-0.64 of the stream (grp n64 k128 w4 s3 v2 the best everywhere) against
-# 0.21-0.31 for the per-element-scale kernel; int4 stayed at 0.05-0.06 in both (x at stride 2 in
-# the first, the interleave in the second), hence the i4 variants.
+# 0.21-0.31 for the per-element-scale kernel; int4 stayed at 0.05-0.06 in both, which the SASS
+# (compiled here for sm_90a) explains: the packed bytes were addressed as col // 2 and loaded one
+# byte at a time (LDG.E.U8); addressed as k0 // 2 + e they load as 8-16 byte cp.async, as int8's.
+# The i4 variants (x split in registers / the weight joined) stay among the candidates.
 CANDIDATES_BY_SCHEME = {
     "int8": [_g(64, 128, 4, 3, 2), _g(32, 128, 4, 3, 4), _g(64, 128, 4, 4, 2), _g(64, 64, 4, 4, 2),
              _g(128, 128, 4, 3, 1), _g(32, 256, 4, 3, 4)],
@@ -129,7 +131,10 @@ if HAVE_TRITON:
         if SCHEME == 1:  # int4: byte j holds columns 2j (low nibble) and 2j + 1
             e = tl.arange(0, GC // 2)
             col = k0 + gi[None, :, None] * GC + 2 * e[None, None, :]
-            ptr = q_ptr + rows[:, None, None] * stride_q + col // 2
+            # the byte offset written as (k0 // 2) + ... + e, not col // 2: through the division
+            # Triton loses the contiguity and loads every byte on its own (int4 read at 0.06 of the
+            # stream on the H200 with col // 2)
+            ptr = q_ptr + rows[:, None, None] * stride_q + (k0 // 2 + gi[None, :, None] * (GC // 2) + e[None, None, :])
         else:
             e = tl.arange(0, GC)
             col = k0 + gi[None, :, None] * GC + e[None, None, :]
@@ -230,11 +235,12 @@ if HAVE_TRITON:
         if SCHEME == 1:  # int4: byte j holds columns 2j (low nibble) and 2j + 1
             e = tl.arange(0, GC // 2)
             col = col0 + 2 * e
+            bptr = Q + rows[:, None] * s_q + (col0 // 2 + e)[None, :]  # not col // 2: see dequant_tile
             if MASK_K:
-                raw = tl.load(Q + rows[:, None] * s_q + (col // 2)[None, :], mask=(col < K)[None, :], other=0)
+                raw = tl.load(bptr, mask=(col < K)[None, :], other=0)
                 xm = m_mask[None, :] & (col < K)[:, None]
             else:
-                raw = tl.load(Q + rows[:, None] * s_q + (col // 2)[None, :])
+                raw = tl.load(bptr)
                 xm = m_mask[None, :]
             b = raw.to(tl.int32)
             # nibbles into the mantissa of 2^23, minus 2^23 + 8: exact small integers, no conversion unit
