@@ -72,7 +72,7 @@ def graph_ms(fn, repeats: int = 5) -> float:
 
 
 def cfg_str(c) -> str:
-    return f"{'grp ' if c.group else ''}{f'i4={c.i4} ' if c.i4 else ''}n{c.block_n} k{c.block_k} w{c.warps} s{c.stages} v{c.waves}"
+    return f"{'grp ' if c.group else ''}n{c.block_n} k{c.block_k} w{c.warps} s{c.stages} v{c.waves}"
 
 
 def decode_table(cfgs: dict, encs: list[str], rows, read: float, t_end: float) -> list[dict]:

@@ -40,6 +40,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ninfer_core.accel.gemv import _reduce_finish
+
 log = logging.getLogger("ninfer.quant.gemv")
 
 MAX_ROWS = 8
@@ -57,11 +59,10 @@ class Config:
     dot: bool = True  # False: the fp32 FMA path (one row; fp32 tests)
     split: int = 0  # >0 forces the K split (tests)
     group: bool = False  # the scale-after-dot kernel (_qgemv_group_kernel): see its comment
-    i4: int = 0  # int4 in that kernel: 0 x read at stride 2, 1 x split in registers, 2 weight joined
 
 
-def _g(bn, bk, warps, stages, waves, i4=0):
-    return Config(bn, bk, warps, stages, waves, group=True, i4=i4)
+def _g(bn, bk, warps, stages, waves):
+    return Config(bn, bk, warps, stages, waves, group=True)
 
 
 # The candidates `pick` times per weight, by scheme. On the H200 (2026-12-03) the scale-after-dot
@@ -69,12 +70,13 @@ def _g(bn, bk, warps, stages, waves, i4=0):
 # 0.21-0.31 for the per-element-scale kernel; int4 stayed at 0.05-0.06 in both, which the SASS
 # (compiled here for sm_90a) explains: the packed bytes were addressed as col // 2 and loaded one
 # byte at a time (LDG.E.U8); addressed as k0 // 2 + e they load as 8-16 byte cp.async, as int8's.
-# The i4 variants (x split in registers / the weight joined) stay among the candidates.
+# With that, int4 read at 0.19-0.35 (nibbles joined back into column order, the fastest of three
+# ways to pair them with x).
 CANDIDATES_BY_SCHEME = {
     "int8": [_g(64, 128, 4, 3, 2), _g(32, 128, 4, 3, 4), _g(64, 128, 4, 4, 2), _g(64, 64, 4, 4, 2),
              _g(128, 128, 4, 3, 1), _g(32, 256, 4, 3, 4)],
-    "int4": [Config(16, 512, 4, 2, 8), _g(64, 128, 4, 3, 2, 1), _g(64, 128, 4, 3, 2, 2), _g(32, 256, 4, 3, 4, 1),
-             _g(32, 256, 4, 3, 4, 2), _g(64, 256, 4, 3, 2, 2), _g(16, 512, 4, 2, 8, 2)],
+    "int4": [_g(64, 128, 4, 3, 2), _g(64, 256, 4, 3, 2), _g(32, 256, 4, 3, 4), _g(16, 512, 4, 2, 8),
+             Config(16, 512, 4, 2, 8)],
 }
 CANDIDATES_BY_SCHEME["fp8_e4m3"] = CANDIDATES_BY_SCHEME["int8"]
 CANDIDATES_BY_SCHEME["q4"] = CANDIDATES_BY_SCHEME["int4"]
@@ -211,104 +213,61 @@ if HAVE_TRITON:
             mask = n_mask
             poff = offs_n
             yoff = offs_n
-        if SPLIT:
-            mn = M * N
-            tl.store(P + pid_k * mn + poff, acc, mask=mask)
-            tl.debug_barrier()  # every thread's partial is issued before the release below
-            arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # the last program of this row block: sum in split order
-                tl.debug_barrier()
-                tot = tl.zeros_like(acc)
-                for s in range(SPLIT_K):
-                    tot += tl.load(P + s * mn + poff, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(Y + yoff, tot.to(Y.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch / graph replay
-        else:
-            tl.store(Y + yoff, acc.to(Y.dtype.element_ty), mask=mask)
+        # the split-K sum (last program of a row block, in split order) and the store: accel.gemv's
+        # epilogue with none of its options
+        _reduce_finish(acc, acc, poff, yoff, poff, poff, mask, pid_n, pid_k, X, Y, Y, Y, P, CNT, M, N, SPLIT_K,
+                       SPLIT, False, False, False, False)
 
 
     @triton.jit
     def _run_dot(Q, S, X, rows, col0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME: tl.constexpr,
-                 GC: tl.constexpr, MASK_K: tl.constexpr, IEEE: tl.constexpr, I4: tl.constexpr):
+                 GC: tl.constexpr, MASK_K: tl.constexpr, IEEE: tl.constexpr):
         """fp32 [len(rows), BLOCK_M]: the integer (fp8: unscaled) weight values of columns col0 ..
         col0 + GC (one scale group's run) dotted with x's columns there; the caller scales it."""
+        cc = col0 + tl.arange(0, GC)
         if SCHEME == 1:  # int4: byte j holds columns 2j (low nibble) and 2j + 1
             e = tl.arange(0, GC // 2)
-            col = col0 + 2 * e
             bptr = Q + rows[:, None] * s_q + (col0 // 2 + e)[None, :]  # not col // 2: see dequant_tile
             if MASK_K:
-                raw = tl.load(bptr, mask=(col < K)[None, :], other=0)
-                xm = m_mask[None, :] & (col < K)[:, None]
+                raw = tl.load(bptr, mask=(col0 + 2 * e < K)[None, :], other=0)
             else:
                 raw = tl.load(bptr)
-                xm = m_mask[None, :]
             b = raw.to(tl.int32)
-            # nibbles into the mantissa of 2^23, minus 2^23 + 8: exact small integers, no conversion unit
+            # nibbles into the mantissa of 2^23, minus 2^23 + 8: exact small integers, no conversion
+            # unit; joined back into column order (on the H200 this beat x split into its even and odd
+            # columns, in registers or by stride-2 reads, on every weight of the 9B and 27B shapes)
             lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
             hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            # x de-interleaved into its even and odd columns (x is tiny and cached) instead of the
-            # weight interleaved back into column order (a register shuffle per element)
-            if I4 == 2:  # the weight joined back into column order, x read contiguous
-                w = tl.reshape(tl.join(lo, hi), [lo.shape[0], GC])
-                cc = col0 + tl.arange(0, GC)
-                if MASK_K:
-                    xt = tl.load(X + offs_m[None, :] * s_xm + cc[:, None], mask=m_mask[None, :] & (cc < K)[:, None],
-                                 other=0.0)
-                else:
-                    xt = tl.load(X + offs_m[None, :] * s_xm + cc[:, None], mask=m_mask[None, :], other=0.0)
-                if IEEE:
-                    part = tl.dot(w, xt.to(tl.float32), input_precision="ieee")
-                else:
-                    part = tl.dot(w.to(xt.dtype), xt)
-            else:
-                if I4 == 1:  # x read contiguous and split into its even and odd columns in registers
-                    cc = col0 + tl.arange(0, GC)
-                    if MASK_K:
-                        xf = tl.load(X + offs_m[:, None] * s_xm + cc[None, :], mask=m_mask[:, None] & (cc < K)[None, :],
-                                     other=0.0)
-                    else:
-                        xf = tl.load(X + offs_m[:, None] * s_xm + cc[None, :], mask=m_mask[:, None], other=0.0)
-                    xe2, xo2 = tl.split(tl.reshape(xf, [xf.shape[0], GC // 2, 2]))
-                    xe = tl.trans(xe2)
-                    xo = tl.trans(xo2)
-                else:  # x de-interleaved by two stride-2 reads
-                    xe = tl.load(X + offs_m[None, :] * s_xm + col[:, None], mask=xm, other=0.0)
-                    xo = tl.load(X + offs_m[None, :] * s_xm + col[:, None] + 1, mask=xm, other=0.0)
-                if IEEE:
-                    part = tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
-                    part = tl.dot(hi, xo.to(tl.float32), part, input_precision="ieee")
-                else:  # small integers are exact in bf16 / fp16
-                    part = tl.dot(lo.to(xe.dtype), xe)
-                    part = tl.dot(hi.to(xo.dtype), xo, part)
+            v = tl.reshape(tl.join(lo, hi), [lo.shape[0], GC])
         else:
-            col = col0 + tl.arange(0, GC)
             if MASK_K:
-                raw = tl.load(Q + rows[:, None] * s_q + col[None, :], mask=(col < K)[None, :], other=0)
-                xm = m_mask[None, :] & (col < K)[:, None]
+                raw = tl.load(Q + rows[:, None] * s_q + cc[None, :], mask=(cc < K)[None, :], other=0)
             else:
-                raw = tl.load(Q + rows[:, None] * s_q + col[None, :])
-                xm = m_mask[None, :]
-            xt = tl.load(X + offs_m[None, :] * s_xm + col[:, None], mask=xm, other=0.0)
+                raw = tl.load(Q + rows[:, None] * s_q + cc[None, :])
             if SCHEME == 0:
                 v = (raw.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             else:  # fp8 e4m3: every value is exact in bf16
                 v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            if IEEE:
-                part = tl.dot(v, xt.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(v.to(xt.dtype), xt)
+        if MASK_K:
+            xt = tl.load(X + offs_m[None, :] * s_xm + cc[:, None], mask=m_mask[None, :] & (cc < K)[:, None], other=0.0)
+        else:
+            xt = tl.load(X + offs_m[None, :] * s_xm + cc[:, None], mask=m_mask[None, :], other=0.0)
+        if IEEE:
+            part = tl.dot(v, xt.to(tl.float32), input_precision="ieee")
+        else:  # small integers (and fp8 values) are exact in bf16 / fp16
+            part = tl.dot(v.to(xt.dtype), xt)
         return part
 
     @triton.jit
     def _qgemv_group_kernel(X, Q, S, Y, P, CNT, M, N, K, SG, SPLIT_K, s_xm, s_q, s_s, s_ym,
                             SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             GPI: tl.constexpr, GC: tl.constexpr, PER_ROW: tl.constexpr, SPLIT: tl.constexpr,
-                            MASK_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr, I4: tl.constexpr):
+                            MASK_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
         """The scale-after-dot GEMV: each run of GC columns inside one scale group is dotted as raw
         integers (exact in bf16) with x, and the fp32 [BLOCK_N, BLOCK_M] result is scaled by that
         group's [BLOCK_N] scales. Against _qgemv_kernel this drops the per-element scale multiply and
-        the [BLOCK_N, GPI, GC] -> [BLOCK_N, BK] reshape (and, for int4, the interleave), so the
-        dequantised tile can go to the MMA without a trip through shared memory. The products are
+        the [BLOCK_N, GPI, GC] -> [BLOCK_N, BK] reshape (the tile still goes global -> shared ->
+        registers -> shared for the wgmma, per the sm_90a SASS). The products are
         exact rather than rounded to bf16 first (closer to the fp32 reference, not the same bits as
         the other kernel: one kernel per weight, picked once, serves every row count)."""
         BK: tl.constexpr = GPI * GC
@@ -326,7 +285,7 @@ if HAVE_TRITON:
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             for gi in tl.static_range(GPI):
                 c0 = k0 + gi * GC
-                part = _run_dot(Q, S, X, rows, c0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME, GC, MASK_K, IEEE, I4)
+                part = _run_dot(Q, S, X, rows, c0, K, SG, s_q, s_s, s_xm, offs_m, m_mask, SCHEME, GC, MASK_K, IEEE)
                 if PER_ROW:
                     acc += part
                 else:
@@ -340,20 +299,10 @@ if HAVE_TRITON:
         mask = n_mask[:, None] & m_mask[None, :]
         poff = offs_m[None, :] * N + offs_n[:, None]
         yoff = offs_m[None, :].to(tl.int64) * s_ym + offs_n[:, None]
-        if SPLIT:
-            mn = M * N
-            tl.store(P + pid_k * mn + poff, acc, mask=mask)
-            tl.debug_barrier()  # every thread's partial is issued before the release below
-            arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # the last program of this row block: sum in split order
-                tl.debug_barrier()
-                tot = tl.zeros_like(acc)
-                for s in range(SPLIT_K):
-                    tot += tl.load(P + s * mn + poff, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(Y + yoff, tot.to(Y.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch / graph replay
-        else:
-            tl.store(Y + yoff, acc.to(Y.dtype.element_ty), mask=mask)
+        # the split-K sum (last program of a row block, in split order) and the store: accel.gemv's
+        # epilogue with none of its options
+        _reduce_finish(acc, acc, poff, yoff, poff, poff, mask, pid_n, pid_k, X, Y, Y, Y, P, CNT, M, N, SPLIT_K,
+                       SPLIT, False, False, False, False)
 
 
 def tile_shape(enc, k: int, block_k: int) -> tuple[int, int, int]:
@@ -389,7 +338,7 @@ def launch(cfg: Config, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, enc, 
             x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
             SCHEME=SCHEME_IDS[enc.scheme], BLOCK_M=16, BLOCK_N=cfg.block_n, GPI=gpi, GC=gc,
             PER_ROW=sg >= k, SPLIT=split > 1, MASK_K=k % cfg.block_k != 0,
-            IEEE=x.dtype == torch.float32 or not x.is_cuda, STAGES=cfg.stages, I4=cfg.i4, num_warps=cfg.warps)
+            IEEE=x.dtype == torch.float32 or not x.is_cuda, STAGES=cfg.stages, num_warps=cfg.warps)
         return y
     _qgemv_kernel[(tiles, split)](
         x, q, s, y, part, cnt, m, n, k, sg, split, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
