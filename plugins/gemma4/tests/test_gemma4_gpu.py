@@ -94,23 +94,31 @@ def test_runner_bf16_parity_with_transformers_at_real_widths(kind):
 
 @pytest.mark.parametrize("kind", ["31b", "26b-a4b"])
 def test_graph_decode_equals_eager_decode(kind):
+    """The CUDA-Graph decode against the eager decode (bitwise up to 1e-3), then the fused forward
+    and the module-by-module path each against transformers in fp32 over every lane's whole
+    sequence. The model is tempered (temper_attention): untempered, softmax is one-hot and any two
+    bf16 paths differ by 0.3-0.55 of the logits' size (the fused and module paths agree to 1.6e-6 in
+    fp32 under the Triton interpreter), so a bound between two bf16 paths meant nothing."""
     from ninfer_gemma4.family import Gemma4Family
-    from ninfer_gemma4.testing import hf_model
+    from ninfer_gemma4.testing import hf_model, temper_attention
 
     from ninfer_core.engine.model_api import DECODE, ForwardBatch, LaneSegment, RunnerOptions
 
     cfg = real_config(kind)
-    ref = hf_model(cfg, seed=4, std=0.02, device="cuda").to(torch.bfloat16)
-    runner = Gemma4Family().load(StateArtifact(cfg, dict(ref.state_dict())), device="cuda", dtype="bfloat16")
-    del ref
+    ref = hf_model(cfg, seed=4, std=0.02, device="cuda")
+    temper_attention(ref)
+    state16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in ref.state_dict().items()}
+    runner = Gemma4Family().load(StateArtifact(cfg, state16), device="cuda", dtype="bfloat16")
     runner.configure(RunnerOptions(max_segment_tokens=512, cuda_graph=True))
     runner.allocate_cache(96, 3, page_size=64)
     groups = runner.cache_spec().group_names
     tab = {i: {g: list(range(i * 32, i * 32 + 32)) for g in groups} for i in range(3)}
     gen = torch.Generator().manual_seed(6)
     lens = [1700, 600, 40]
+    seqs = []  # every token each lane's cache holds, in order: the fp32 truth runs over these
     for i, n in enumerate(lens):
         ids = torch.randint(3, 262144, (n,), generator=gen).tolist()
+        seqs.append(ids)
         for s in range(0, n, 512):
             runner.forward(ForwardBatch([LaneSegment(i, tab[i], s, ids[s:s + 512])]))
     worst = 0.0
@@ -122,10 +130,14 @@ def test_graph_decode_equals_eager_decode(kind):
             runner.cuda_graph = True
             graphed = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
             worst = max(worst, float((graphed - eager).abs().max() / eager.abs().max()))
+            for i in range(width):
+                seqs[i].append(100 + i + step)
         lens = [n + 3 if i < width else n for i, n in enumerate(lens)]
     assert runner._graphs is not None and set(runner._graphs.graphs) == {1, 3}
     assert runner.fused_step, "the fused forward declined the model"
-    # the fused forward (graphed) against the module-by-module GPU path (eager) on the same steps
+    assert [len(s) for s in seqs] == lens
+    # the fused forward (graphed) and the module-by-module GPU path (eager) on the same step; the
+    # module path rewrites the same cache slots with its own bf16 rounding of the same values
     segs = [LaneSegment(i, tab[i], lens[i], [200 + i], DECODE) for i in range(3)]
     fused = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
     runner.cuda_graph = False
@@ -134,11 +146,24 @@ def test_graph_decode_equals_eager_decode(kind):
         modules = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
     finally:
         os.environ.pop("NINFER_GEMMA4_FUSE", None)
-    vs_modules = float((fused - modules).abs().max() / modules.abs().max())
-    print(f"PARITY gemma4 {kind} graph vs eager decode (widths 1 and 3, 6 layers at real widths): "
-          f"max relative logits error {worst:.2e}; fused forward vs the module path (bf16, 3 lanes) {vs_modules:.2e}")
+    del runner
+    with torch.no_grad():
+        truth = torch.stack([ref(input_ids=torch.tensor([s + [200 + i]], device="cuda")).logits[0, -1].float()
+                             for i, s in enumerate(seqs)])
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    err_fused, err_modules, vs_modules = rel(fused, truth), rel(modules, truth), rel(fused, modules)
+    print(f"PARITY gemma4 {kind} graph vs eager decode (widths 1 and 3, 6 layers at real widths, tempered): "
+          f"max relative logits error {worst:.2e}; against transformers fp32 over each lane's whole sequence "
+          f"(3 lanes): fused {err_fused:.2e}, module path {err_modules:.2e}; fused vs modules {vs_modules:.2e}")
     assert worst <= 1e-3
-    # dense: bf16 rounding apart; MoE: a routing flip between near-tied experts moves the logits
-    # by up to the random model's bf16 noise floor (~0.2, the transformers bf16-vs-fp32 figure
-    # above); a wrong kernel is off by the logits' own size
-    assert vs_modules <= (TOL if kind == "31b" else 0.25)
+    if kind == "31b":
+        # dense: the fused forward is no further from the truth than the module path's bf16 is
+        assert err_fused <= max(TOL, 1.25 * err_modules)
+    else:
+        # MoE: a routing flip between near-tied experts moves the logits by up to the random
+        # model's bf16 noise floor (~0.2); a wrong kernel is off by the logits' own size
+        assert vs_modules <= 0.25
+        assert err_fused <= max(0.25, 1.25 * err_modules)
