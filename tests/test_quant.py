@@ -251,19 +251,20 @@ def test_quant_gemv_is_batch_invariant_and_replays_in_a_cuda_graph():
         eight = triton_linear(x, qw)
         for m in (1, 3):
             assert torch.equal(triton_linear(x[:m].clone(), qw), eight[:m]), (name, m)
-        cfg = QG.Config(32, 256, 4, 2, 4, split=4)
-        eager = triton_linear(x, qw, cfg)
-        static_x = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            triton_linear(static_x, qw, cfg)
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(graph):
-            out = triton_linear(static_x, qw, cfg)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), name
+        # both kernels (per-element scale, scale-after-dot) with a forced K split
+        for cfg in (QG.Config(32, 256, 4, 2, 4, split=4), QG.Config(64, 128, 4, 3, 2, split=4, group=True)):
+            eager = triton_linear(x, qw, cfg)
+            static_x = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                triton_linear(static_x, qw, cfg)
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(graph):
+                out = triton_linear(static_x, qw, cfg)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), (name, cfg)
         print(f"QUANT gemv {name} {n}x{k}: batch invariant, graph replay equal; tuned {QG.tuned()}")
