@@ -176,7 +176,7 @@ def main() -> int:
         if not a.tests:
             return
         left = a.budget - (time.monotonic() - t_start)
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-q", "-s", "-p", "no:cacheprovider",
                             *a.tests], os.path.join(a.out, "pytest.log"),
                             min(a.tests_timeout, max(60, left - 30)))
         lines = [ln for ln in text.splitlines() if ln.startswith(("PARITY", "graph vs", "8 concurrent", "tiny artifact",
@@ -269,7 +269,7 @@ def main() -> int:
             summary.extend(ln for ln in text.splitlines() if ln.startswith(("gemma4 ", "  ")))
             if rc != 0:
                 summary.append(text[-2000:])
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *a.gemma4_tests],
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-q", "-s", "-p", "no:cacheprovider", *a.gemma4_tests],
                            os.path.join(a.out, "gemma4.log"), max(60, min(a.gemma4_tests_timeout, left())))
         summary.append(f"== Gemma 4 GPU checks rc={rc} in {dt:.0f} s")
         summary.extend(ln for ln in text.splitlines() if ln.startswith("PARITY") or " passed" in ln
@@ -283,7 +283,7 @@ def main() -> int:
         def left():
             return min(a.dflash_budget - (time.monotonic() - t0), a.budget - (time.monotonic() - t_start))
 
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-q", "-s", "-p", "no:cacheprovider",
                             "plugins/spec_dflash/tests/test_dflash_gpu.py"], os.path.join(a.out, "dflash-tests.log"),
                            max(30, min(90, left() - 190)))  # (a fresh machine compiles the Triton kernels here)
         summary.append(f"== dflash CUDA checks rc={rc} in {dt:.0f} s")
@@ -331,7 +331,7 @@ def main() -> int:
         if a.flash_next_site:
             env["PYTHONPATH"] = os.pathsep.join([a.flash_next_site, *filter(None, [os.environ.get("PYTHONPATH", "")])])
             env["NINFER_TF_SITE"] = a.flash_next_site
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-q", "-s", "-p", "no:cacheprovider",
                             "plugins/flash_next/tests/test_flash_next_gpu.py",
                             "plugins/flash_next/tests/test_flash_next_sparse_kernels.py"],
                            os.path.join(a.out, "flash_next.log"), max(60, min(a.flash_next_tests_timeout, left() - 120)),
@@ -368,7 +368,7 @@ def main() -> int:
         summary.append(f"== quant kernels rc={rc} in {dt:.0f} s")
         start = text.find("quant kernels: read")
         summary.append(text[start:].strip() if start >= 0 else text[-3000:])
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-q", "-s", "-p", "no:cacheprovider",
                             "tests/test_quant_kv_attention.py", "tests/test_quant.py", "-k", "cuda"],
                            os.path.join(a.out, "quant-tests.log"), min(100, max(30, left() - 150)))
         summary.append(f"== quant CUDA tests rc={rc} in {dt:.0f} s")
@@ -433,7 +433,7 @@ def main() -> int:
         # them), stopping at the first failure with a short traceback in the summary; the towers' CPU
         # parity tests against transformers (plugins/qwen35/tests/test_qwen35_vision.py) stay in CI:
         # here transformers would route their CPU tensors into fla's Triton kernels
-        rc, dt, text = run([sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-s", "-p", "no:cacheprovider",
+        rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-x", "-q", "--tb=short", "-s", "-p", "no:cacheprovider",
                             "tests/gpu/test_gpu_vision.py"],
                            os.path.join(a.out, "vision-tests.log"), a.vision_tests_timeout)
         summary.append(f"== vision parity tests rc={rc} in {dt:.0f} s" + (" (timed out)" if rc == 124 else ""))
@@ -461,7 +461,7 @@ def main() -> int:
         summary.append(text[start:].strip() if start >= 0 else text[-4000:])
         left = a.budget - (time.monotonic() - t_start)
         if left > 180:
-            rc, dt, text = run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+            rc, dt, text = run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-q", "-s", "-p", "no:cacheprovider",
                                 "tests/gpu/test_gpu_gemv.py", "tests/gpu/test_gpu_moe.py",
                                 "tests/gpu/test_gpu_model.py::test_cuda_graph_replay_equals_eager",
                                 "tests/gpu/test_gpu_model.py::test_engine_8_concurrent_greedy_equals_each_alone"],

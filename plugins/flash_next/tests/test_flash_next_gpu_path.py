@@ -66,7 +66,7 @@ def test_gdn_kernel_glue_under_the_triton_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already under the interpreter")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
                         "glue_matches"], env=env, capture_output=True, text=True, timeout=600, check=False,
                        cwd=os.path.dirname(__file__))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

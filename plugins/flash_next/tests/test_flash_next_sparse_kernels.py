@@ -211,7 +211,7 @@ def test_kernel_attention_layers_match_the_reference_runner(monkeypatch):
 def _interpreter_child():
     """Every test above under TRITON_INTERPRET=1, in a child process (the parent on the CPU only)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", __file__],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-x", "-s", "-p", "no:cacheprovider", __file__],
                        env=env, capture_output=True, text=True, timeout=900, check=False,
                        cwd=os.path.dirname(__file__))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
