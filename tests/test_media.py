@@ -190,6 +190,29 @@ def test_options():
         media_options_from_args(p.parse_args(["--vision-cpu", "--vision-residency", "resident"]))
 
 
+def test_media_budget_options_and_lenient_detail():
+    from ninfer_core.media.parts import detail_of
+
+    p = argparse.ArgumentParser()
+    add_media_arguments(p)
+    o = media_options_from_args(p.parse_args([]))
+    assert (o.cache_mib, o.live_mib, o.preprocess_threads, o.lenient_image_detail) == (1024, 2048, 0, False)
+    o = media_options_from_args(p.parse_args(["--vision", "--media-cache-mib", "0", "--media-live-mib", "64",
+                                              "--media-preprocess-threads", "3", "--lenient-image-detail"]))
+    assert (o.cache_mib, o.live_mib, o.preprocess_threads, o.lenient_image_detail) == (0, 64, 3, True)
+    for bad in (["--media-live-mib", "0"], ["--media-preprocess-threads", "257"], ["--media-cache-mib", "-1"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    # an unknown detail: refused with its code and param, or read as auto when lenient
+    assert [detail_of(v, "p", False) for v in (None, "auto", "low", "high")] == ["auto", "auto", "low", "high"]
+    for v in ("ultra", 3, ""):
+        with pytest.raises(EngineError) as e:
+            detail_of(v, "messages[0].content[1].image_url.detail", False)
+        assert (e.value.status, e.value.code, e.value.param) == (
+            400, "image_detail_not_supported", "messages[0].content[1].image_url.detail")
+        assert detail_of(v, "p", True) == "auto"
+
+
 def test_live_budget_counts_payloads_until_their_last_reference():
     import gc
 
