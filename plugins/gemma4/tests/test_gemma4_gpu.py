@@ -18,6 +18,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 TOL = 1e-2
 
 
+def rel(a, b) -> float:
+    """Max absolute error of `a` over the max absolute value of the reference `b`."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
 class StateArtifact:
     """An in-memory artifact over a transformers model's weights (nothing written to disk)."""
 
@@ -82,9 +87,6 @@ def test_runner_bf16_parity_with_transformers_at_real_widths(kind):
     got = torch.cat([runner.forward(ForwardBatch([LaneSegment(0, tables, s, ids[s:s + 512], logits=LOGITS_ALL)]))[0]
                      .logits.float() for s in range(0, len(ids), 512)])
 
-    def rel(a, b):
-        return float((a - b).abs().max() / b.abs().max())
-
     err, hf_err, vs_hf16 = rel(got, truth), rel(hf16, truth), rel(got, hf16)
     print(f"PARITY gemma4 {kind} bf16 (6 layers at real widths, 1500 tokens in chunks of 512): max relative logits "
           f"error {err:.2e} against transformers fp32 (transformers bf16: {hf_err:.2e}; ours vs transformers bf16 "
@@ -94,7 +96,7 @@ def test_runner_bf16_parity_with_transformers_at_real_widths(kind):
 
 @pytest.mark.parametrize("kind", ["31b", "26b-a4b"])
 def test_graph_decode_equals_eager_decode(kind):
-    """The CUDA-Graph decode against the eager decode (bitwise up to 1e-3), then the fused forward
+    """The CUDA-Graph decode against the eager decode (within 1e-3), then the fused forward
     and the module-by-module path each against transformers in fp32 over every lane's whole
     sequence. The model is tempered (temper_attention): untempered, softmax is one-hot and any two
     bf16 paths differ by 0.3-0.55 of the logits' size (the fused and module paths agree to 1.6e-6 in
@@ -129,7 +131,7 @@ def test_graph_decode_equals_eager_decode(kind):
             eager = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
             runner.cuda_graph = True
             graphed = torch.stack([o.logits for o in runner.forward(ForwardBatch(segs))]).float()
-            worst = max(worst, float((graphed - eager).abs().max() / eager.abs().max()))
+            worst = max(worst, rel(graphed, eager))
             for i in range(width):
                 seqs[i].append(100 + i + step)
         lens = [n + 3 if i < width else n for i, n in enumerate(lens)]
@@ -150,9 +152,6 @@ def test_graph_decode_equals_eager_decode(kind):
     with torch.no_grad():
         truth = torch.stack([ref(input_ids=torch.tensor([s + [200 + i]], device="cuda")).logits[0, -1].float()
                              for i, s in enumerate(seqs)])
-
-    def rel(a, b):
-        return float((a - b).abs().max() / b.abs().max())
 
     err_fused, err_modules, vs_modules = rel(fused, truth), rel(modules, truth), rel(fused, modules)
     print(f"PARITY gemma4 {kind} graph vs eager decode (widths 1 and 3, 6 layers at real widths, tempered): "
