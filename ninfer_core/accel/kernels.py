@@ -109,7 +109,7 @@ if HAVE_TRITON:
     def _paged_decode_kernel(
         Q, K, V, BT, LENS, O_PART, LSE_PART, scale,
         s_qb, s_qh, s_kp, s_kr, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPS: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
         KSTART: tl.constexpr = 0,
     ):
         b = tl.program_id(0)
@@ -117,8 +117,11 @@ if HAVE_TRITON:
         sp = tl.program_id(2)
         seq_len = tl.load(LENS + b)
         n_pages = (seq_len + PAGE - 1) // PAGE
-        p0 = sp * PPS
-        p1 = tl.minimum(p0 + PPS, n_pages)
+        # the lane's own pages in SPLITS parts (not a fixed page count per part: a short lane in a
+        # wide table would leave one program per KV head walking all its pages)
+        pps = (n_pages + SPLITS - 1) // SPLITS
+        p0 = sp * pps
+        p1 = tl.minimum(p0 + pps, n_pages)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         offs_r = tl.arange(0, PAGE)
@@ -144,11 +147,12 @@ if HAVE_TRITON:
             v = tl.load(V + off)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
             m = m_new
-        valid = p1 > p0
-        l_safe = tl.where(l > 0, l, 1.0)
+        valid = l > 0  # the part saw a key: an empty part's row is not stored (nor read by the combine)
+        l_safe = tl.where(valid, l, 1.0)
         out = acc / l_safe[:, None]
         lse = tl.where(valid, m + tl.log(l_safe), float("-inf"))
-        tl.store(O_PART + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_d[None, :], out, mask=gmask[:, None])
+        tl.store(O_PART + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_d[None, :], out,
+                 mask=(gmask & valid)[:, None])
         tl.store(LSE_PART + b * s_lb + heads * s_lh + sp, lse, mask=gmask)
 
     # start / T / PPS vary with every resumed prefix and capture split: not specialised, so a new
@@ -249,7 +253,7 @@ if HAVE_TRITON:
         top = tl.max(lse, 0)
         w = tl.exp(lse - top)  # empty splits: exp(-inf) = 0
         part = tl.load(O_PART + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :],
-                       mask=smask[:, None], other=0.0)
+                       mask=(smask & (lse > float("-inf")))[:, None], other=0.0)  # empty parts: not written
         return tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
 
     @triton.jit(do_not_specialize=["S"])
@@ -350,8 +354,19 @@ def gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot: int,
 
 
 def decode_split_pages(table_width: int) -> int:
-    """Pages per split of the decode kernel: at most 64 splits over a block-table row."""
+    """Pages per split of a fixed-size split over a block-table row: at most 64 splits (the
+    quantised-KV kernel's rule; `pages_per_split` of `paged_decode_attention` in the tests)."""
     return max(4, -(-table_width // 64))
+
+
+DECODE_TARGET_PROGRAMS = 256  # about two per SM of the H200's 132 at batch 1
+
+
+def decode_splits(kv_heads: int) -> int:
+    """Parts a decode lane's pages are split into: enough programs for the device at batch 1. It
+    depends on the layer only (not on the batch, the table width or a lane's length), so a lane
+    gets the same bits alone and batched, eager and in a CUDA Graph."""
+    return max(1, min(COMBINE_MAX_SPLITS, DECODE_TARGET_PROGRAMS // max(1, kv_heads)))
 
 
 def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None, key_start: int = 0):
@@ -362,8 +377,7 @@ def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_
     g = h // kvh
     w = block_table.shape[1]
     assert seq_lens.is_contiguous() and block_table.stride(1) == 1 and q.is_contiguous()
-    pps = pages_per_split or decode_split_pages(w)
-    splits = -(-w // pps)
+    splits = -(-w // pages_per_split) if pages_per_split else decode_splits(kvh)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(b, kvh, splits)](
@@ -371,7 +385,7 @@ def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps, KSTART=key_start,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, SPLITS=splits, KSTART=key_start,
         num_warps=4,
     )
     return o_part, lse, splits

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ninfer_gemma4.config import Gemma4Config
-from ninfer_gemma4.gpu.attention import block_rows, kernel_meta, paged_attention, use_triton
+from ninfer_gemma4.gpu.attention import block_rows, decode_attention, kernel_meta, paged_attention, use_triton
 from ninfer_gemma4.layers import RMSNorm, apply_rotary
 
 
@@ -173,6 +173,10 @@ class Attention(nn.Module):
         bidirectional = self.window is not None and any(seg.blocks for seg in ctx.segments)
         if use_triton(q) and _flat(ctx.segments) and not bidirectional:  # the Triton kernel, every lane at once
             window = self.window or 0
+            if all(seg.length == 1 for seg in ctx.segments):  # a decode step: split over the keys
+                out = decode_attention(q, k_cache, v_cache, ctx.tables_of(group, q.device), ctx.positions, window,
+                                       1.0, wrap=ctx.wrap.get(group, 0))
+                return out.reshape(n, -1)
             block_t, _ = block_rows(self.heads // self.kv_heads, self.head_dim)
             meta = ctx.meta_of(group, window, block_t, ctx.page_size, q.device)
             out = paged_attention(q.contiguous(), k_cache, v_cache, ctx.tables_of(group, q.device), None, None,

@@ -266,8 +266,76 @@ def fused_runner_interpret():
     print(f"gemma4 runner with the fused kernels: worst max relative logits error {worst:.2e}")
 
 
+DECODE_SHAPES = [  # (positions, H, KVH, D, window, page): one query per lane
+    ([0, 37, 150, 63, 64], 4, 2, 32, 48, 16),  # sliding: the first key, page edges, past the window
+    ([0, 37, 150, 1000], 8, 1, 64, 0, 16),  # global, G = 8, a long lane beside short ones
+    ([5, 63, 64, 200], 8, 2, 48, 32, 16),  # D not a power of 2
+    ([300], 4, 2, 32, 20, 32),  # window narrower than a key block of the page
+]
+
+
+def check_decode(dtype=torch.float32, device="cpu", tol=1e-4, shapes=DECODE_SHAPES, split_counts=(None, 1, 3)):
+    """The split decode (`decode_attention`) against the reference and plain attention, with pages
+    behind the window poisoned (NaN), at the default part count and forced ones; each lane alone
+    gives the same bits as in the batch (the part count does not depend on the batch); a ring
+    table (`wrap`) the same way."""
+    from ninfer_gemma4.gpu.attention import decode_attention
+
+    worst = 0.0
+    for i, (pos, h, kvh, d, window, page) in enumerate(shapes):
+        ones = [1] * len(pos)
+        q, kc, vc, tables, dk, dv = build(pos, ones, h, kvh, d, window, page, dtype, device, seed=30 + i)
+        ref = ref_paged_attention(q.cpu().float(), kc.cpu().float(), vc.cpu().float(), tables, pos, ones, window,
+                                  1.0)
+        for b, p in enumerate(pos):
+            want = dense_attention(q[b: b + 1].cpu().float(), dk[b].float(), dv[b].float(), torch.tensor([p]),
+                                   window, 1.0)
+            # fp32 against fp64 over up to a window of wide-head keys (the real geometry): ~1e-5 of the scale
+            bound = 1e-5 * max(1.0, float(want.abs().max())) * (1 if d < 256 else 10)
+            assert torch.allclose(ref[b: b + 1].double(), want, atol=bound), f"reference wrong in decode shape {i}"
+        width = max(len(t) for t in tables)
+        tab = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        positions = torch.tensor(pos, dtype=torch.int64, device=device)
+        for splits in split_counts:
+            got = decode_attention(q, kc, vc, tab, positions, window, 1.0, splits=splits)
+            assert torch.isfinite(got.float()).all(), f"decode shape {i}: non-finite (a page behind the window read?)"
+            err = ((got.float().cpu() - ref).abs().max() / ref.abs().max()).item()
+            worst = max(worst, err)
+            assert err <= tol, f"decode shape {i}, splits {splits}: max relative error {err:.2e} > {tol}"
+            if splits is None:
+                for b in range(len(pos)):
+                    alone = decode_attention(q[b: b + 1], kc, vc, tab[b: b + 1], positions[b: b + 1], window, 1.0)
+                    assert torch.equal(alone, got[b: b + 1]), f"decode shape {i}: lane {b} alone differs from batched"
+    # a ring: lane b's position p lives in ring page (p // page) % R of its own R pages
+    gen = torch.Generator().manual_seed(77)
+    pos, h, kvh, d, window, page = [500, 77, 20], 4, 2, 32, 24, 16
+    r = -(-(1 + window - 1) // page) + 1
+    kc = 1e3 * torch.randn(len(pos) * r, page, kvh, d, generator=gen)
+    vc = 1e3 * torch.randn(len(pos) * r, page, kvh, d, generator=gen)
+    rows = []
+    for b, p in enumerate(pos):
+        dk, dv = torch.randn(p + 1, kvh, d, generator=gen), torch.randn(p + 1, kvh, d, generator=gen)
+        for j in range(max(0, p + 1 - r * page), p + 1):
+            kc[b * r + (j // page) % r, j % page] = dk[j]
+            vc[b * r + (j // page) % r, j % page] = dv[j]
+        rows.append((dk, dv))
+    q = torch.randn(len(pos), h, d, generator=gen)
+    tables = [list(range(b * r, b * r + r)) for b in range(len(pos))]
+    tab = torch.tensor(tables, dtype=torch.int32, device=device)
+    got = decode_attention(q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), tab,
+                           torch.tensor(pos, device=device), window, 1.0, wrap=r).float().cpu()
+    for b, p in enumerate(pos):
+        want = dense_attention(q[b: b + 1], rows[b][0], rows[b][1], torch.tensor([p]), window, 1.0).float()
+        err = ((got[b: b + 1] - want).abs().max() / want.abs().max()).item()
+        worst = max(worst, err)
+        assert err <= tol, f"ring decode lane {b}: max relative error {err:.2e} > {tol}"
+    print(f"gemma4 split decode attention: worst max relative error {worst:.2e} over {len(shapes)} shapes "
+          f"and a ring ({dtype})")
+
+
 def interpreted():
     check()
+    check_decode()
     check_norm()
     check_fused()
     check_ring()
@@ -547,12 +615,13 @@ def step_runner_interpret():
 
 def launch_counts():
     """Launches of one decode step (the CUDA-Graph body) counted under the interpreter at the real
-    layer pattern cut to one period: the fused forward at most 13 per MoE layer and 9 per dense
-    layer (+6 for the embedding, RoPE tables and head), at most 0.4 / 0.55 of the module-by-module
-    path (MoE / dense; measured 83 vs 230 and 59 vs 116 launches)."""
+    layer pattern cut to one period: the fused forward at most 14 per MoE layer and 10 per dense
+    layer (+6 for the embedding, RoPE tables and head; the split decode attention is two of them:
+    parts, then their combine), at most 0.4 / 0.55 of the module-by-module path (MoE / dense;
+    measured 89 vs 236 launches for the MoE)."""
     from ninfer_gemma4.gpu.launches import render, step_counts
 
-    for kind, per_layer, share in (("26b-a4b", 13, 0.4), ("31b", 9, 0.55)):
+    for kind, per_layer, share in (("26b-a4b", 14, 0.4), ("31b", 10, 0.55)):
         res = step_counts(kind, 6, "cpu")
         print(render(res))
         assert res["fused"] <= per_layer * res["layers"] + 6, res["fused_top"]

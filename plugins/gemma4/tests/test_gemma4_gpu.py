@@ -51,7 +51,7 @@ def real_config(kind: str) -> dict:
 
 
 def test_kernel_at_the_real_head_geometry_bf16():
-    from gemma4_kernel_cases import check
+    from gemma4_kernel_cases import check, check_decode
 
     shapes = [  # sliding (H 32, KVH 16, D 256, window 1024) and global (KVH 4, D 512) of the 31B
         ([0, 3000, 5000], [2048, 1, 64], 32, 16, 256, 1024, 64),
@@ -59,6 +59,12 @@ def test_kernel_at_the_real_head_geometry_bf16():
         ([700, 1500, 4000, 9000], [1, 1, 1, 1], 16, 8, 256, 1024, 64),  # 26B-A4B decode batch
     ]
     check(dtype=torch.bfloat16, device="cuda", tol=TOL, shapes=shapes)
+    decode = [  # the split decode: 31B sliding and global, 26B-A4B global; short lanes beside long ones
+        ([0, 511, 3000, 5000], 32, 16, 256, 1024, 64),
+        ([0, 511, 3000, 33000], 32, 4, 512, 0, 64),
+        ([7, 700, 9000], 16, 2, 512, 0, 64),
+    ]
+    check_decode(dtype=torch.bfloat16, device="cuda", tol=TOL, shapes=decode)
     print("PARITY gemma4 kernel bf16 at real head geometry: ok")
 
 

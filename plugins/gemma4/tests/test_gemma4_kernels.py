@@ -59,6 +59,7 @@ def interpreted(case: str) -> str:
 def test_triton_kernel_matches_reference_under_the_interpreter():
     out = interpreted("interpreted")
     assert "gemma4 paged attention: worst" in out and "gemma4 ring attention: worst" in out
+    assert "gemma4 split decode attention: worst" in out
     assert "gemma4 expert GEMV" in out and "gemma4 rms norm: worst" in out
     assert "gemma4 fused norm/rope/residual kernels: worst" in out
 

@@ -54,6 +54,14 @@ def decode_attention(device="cpu", heads=8, kvh=2, d=64, lens=(1, 70, 200, 64), 
         err = rel(out, ref)
         print(f"decode attention pps={pps}: rel err {err:.2e}")
         assert err < tol, err
+    # the default split count depends on the layer only: a lane alone, or through a table cut to its
+    # own pages, gets the bits it gets in the batch (the engine's batched greedy = alone)
+    out = K.paged_decode_attention(q, kc, vc, table, seq_lens, scale)
+    for i, n in enumerate(lens):
+        alone = K.paged_decode_attention(q[i:i + 1], kc, vc, table[i:i + 1, : -(-n // page)].contiguous(),
+                                         seq_lens[i:i + 1], scale)
+        assert torch.equal(alone, out[i:i + 1]), f"lane {i} alone differs from the batch"
+    print("decode attention: each lane alone equals the batch")
 
 
 def prefill_attention(device="cpu", heads=8, kvh=2, d=64, page=64, tol=2e-2):

@@ -559,10 +559,9 @@ class GpuQwen35Runner(VerifyMixin, Qwen35Runner):
         kc, vc = self.cache.kv[i]
         q = K.qk_norm_rope_kv(q, k, v, mod.q_norm.weight, mod.k_norm.weight, cos, sin, mod.q_norm.eps,
                               kc, vc, wpage, wrow)
-        # pages per split from the pool's table width, as the graphs (whose table is that wide) split:
-        # an eager step (more than 8 lanes, a long verify) then reduces in the graph's order
-        pps = K.decode_split_pages(self.table_width)
-        return self._module(mod.o_proj, K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate, pps))
+        # the split count comes from the layer alone (K.decode_splits), so an eager step (more than
+        # 8 lanes, a long verify) reduces in the graph's order whatever its table width
+        return self._module(mod.o_proj, K.paged_decode_attention_gated(q, kc, vc, table, lens, mod.scale, gate))
 
     def _mlp(self, i, mlp, h):
         w = self.fused[i].w_gu
