@@ -78,6 +78,14 @@ for fmt in (INT8, FP8, K8V4):
             want = KA.ref_paged_decode_attention(q, fmt, k, v, ks, vs, table, lens, 0.2).float()
             err = float((got - want).abs().max())
             assert err < tol * max(1.0, float(want.abs().max())), (fmt.name, dtype, pps, "decode", err)
+        # the default split count comes from the layer: a lane alone (its table cut to its own pages)
+        # gets the bits it gets in the batch
+        got = KA.paged_decode_attention(q, fmt, k, v, ks, vs, table, lens, 0.2)
+        for i in range(3):
+            n = -(-int(lens[i]) // k.shape[1])
+            alone = KA.paged_decode_attention(q[i:i + 1], fmt, k, v, ks, vs, table[i:i + 1, :n].contiguous(),
+                                              lens[i:i + 1], 0.2)
+            assert torch.equal(alone, got[i:i + 1]), (fmt.name, dtype, i, "a lane alone differs from the batch")
         pages = torch.tensor([4, 0, 6, 2, 1], dtype=torch.int32)
         for start, t in ((0, 21), (17, 5), (40, 33)):
             q = torch.randn(t, 4, T.D).to(dtype)

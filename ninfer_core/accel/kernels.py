@@ -353,12 +353,6 @@ def gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot: int,
     return out
 
 
-def decode_split_pages(table_width: int) -> int:
-    """Pages per split of a fixed-size split over a block-table row: at most 64 splits (the
-    quantised-KV kernel's rule; `pages_per_split` of `paged_decode_attention` in the tests)."""
-    return max(4, -(-table_width // 64))
-
-
 DECODE_TARGET_PROGRAMS = 256  # about two per SM of the H200's 132 at batch 1
 
 

@@ -108,7 +108,7 @@ if HAVE_TRITON:
     def _qdecode_kernel(
         Q, K, V, KS, VS, BT, LENS, O_PART, LSE_PART, scale,
         s_qb, s_qh, s_kp, s_kr, s_kh, s_vp, s_vr, s_vh, s_sp, s_sr, s_sh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPS: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
         KK: tl.constexpr, VK: tl.constexpr, F32: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -116,8 +116,9 @@ if HAVE_TRITON:
         sp = tl.program_id(2)
         seq_len = tl.load(LENS + b)
         n_pages = (seq_len + PAGE - 1) // PAGE
-        p0 = sp * PPS
-        p1 = tl.minimum(p0 + PPS, n_pages)
+        pps = (n_pages + SPLITS - 1) // SPLITS  # the lane's own pages in SPLITS parts (as the bf16 kernel)
+        p0 = sp * pps
+        p1 = tl.minimum(p0 + pps, n_pages)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         offs_r = tl.arange(0, PAGE)
@@ -142,10 +143,11 @@ if HAVE_TRITON:
             v = _load_tile(V, VS, page, offs_r, kvh, offs_d, s_vp, s_vr, s_vh, s_sp, s_sr, s_sh, VK).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v)
             m = m_new
-        l_safe = tl.where(l > 0, l, 1.0)
-        lse = tl.where(p1 > p0, m + tl.log(l_safe), float("-inf"))
+        valid = l > 0  # the part saw a key: an empty part's row is not stored (nor read by the combine)
+        l_safe = tl.where(valid, l, 1.0)
+        lse = tl.where(valid, m + tl.log(l_safe), float("-inf"))
         tl.store(O_PART + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_d[None, :], acc / l_safe[:, None],
-                 mask=gmask[:, None])
+                 mask=(gmask & valid)[:, None])
         tl.store(LSE_PART + b * s_lb + heads * s_lh + sp, lse, mask=gmask)
 
     @triton.jit(do_not_specialize=["start", "T"])
@@ -203,11 +205,6 @@ def _kernel_args(fmt: KVFormat, k, v, k_scale, v_scale):
     return k, v, ks, vs, KIND_IDS[fmt.k_kind], KIND_IDS[fmt.v_kind]
 
 
-def decode_split_pages(table_width: int) -> int:
-    """Pages per split: at most MAX_SPLITS splits over a block-table row."""
-    return max(4, -(-table_width // MAX_SPLITS))
-
-
 def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table, seq_lens, scale,
                            pages_per_split: int | None = None):
     """See ref_paged_decode_attention. block_table int32 [B, W], seq_lens int32 [B] on q's device."""
@@ -220,8 +217,10 @@ def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table
     assert seq_lens.is_contiguous() and block_table.stride(1) == 1
     kd, vd, ks, vs, kk, vk = _kernel_args(fmt, k, v, k_scale, v_scale)
     w = block_table.shape[1]
-    pps = max(pages_per_split or decode_split_pages(w), -(-w // MAX_SPLITS))  # at most MAX_SPLITS splits
-    splits = -(-w // pps)
+    if pages_per_split:  # the tests' forced split: at most MAX_SPLITS parts over the table row
+        splits = -(-w // max(pages_per_split, -(-w // MAX_SPLITS)))
+    else:  # from the layer alone (K.decode_splits): a lane's bits do not depend on the batch or table width
+        splits = min(K.decode_splits(kvh), MAX_SPLITS)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     _qdecode_kernel[(b, kvh, splits)](
@@ -229,7 +228,7 @@ def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table
         q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kd.stride(2), vd.stride(0), vd.stride(1), vd.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2), block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, PPS=pps, KK=kk, VK=vk, F32=not q.is_cuda,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, SPLITS=splits, KK=kk, VK=vk, F32=not q.is_cuda,
         num_warps=4,
     )
     out = torch.empty_like(q)
