@@ -117,9 +117,7 @@ if HAVE_TRITON:
         sp = tl.program_id(2)
         seq_len = tl.load(LENS + b)
         n_pages = (seq_len + PAGE - 1) // PAGE
-        # the lane's own pages in SPLITS parts (not a fixed page count per part: a short lane in a
-        # wide table would leave one program per KV head walking all its pages)
-        pps = (n_pages + SPLITS - 1) // SPLITS
+        pps = (n_pages + SPLITS - 1) // SPLITS  # the lane's own pages in SPLITS parts
         p0 = sp * pps
         p1 = tl.minimum(p0 + pps, n_pages)
         offs_g = tl.arange(0, GP)
@@ -353,14 +351,13 @@ def gdn_prefill_recurrent(mixed, a_raw, b_raw, A_log, dt_bias, state, slot: int,
     return out
 
 
-DECODE_TARGET_PROGRAMS = 256  # about two per SM of the H200's 132 at batch 1
+DECODE_TARGET_PROGRAMS = 256  # about two per SM of the H200's 132 at batch 1 (8 under the interpreter)
 
 
-def decode_splits(kv_heads: int) -> int:
-    """Parts a decode lane's pages are split into: enough programs for the device at batch 1. It
-    depends on the layer only (not on the batch, the table width or a lane's length), so a lane
-    gets the same bits alone and batched, eager and in a CUDA Graph."""
-    return max(1, min(COMBINE_MAX_SPLITS, DECODE_TARGET_PROGRAMS // max(1, kv_heads)))
+def decode_splits(kv_heads: int, on_cuda: bool = True) -> int:
+    """Parts a decode lane's pages are split into, from the layer only (not the batch, the table width
+    or a lane's length): the same bits alone and batched, eager and in a graph; few in the interpreter."""
+    return max(1, min(COMBINE_MAX_SPLITS, (DECODE_TARGET_PROGRAMS if on_cuda else 8) // max(1, kv_heads)))
 
 
 def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_split=None, key_start: int = 0):
@@ -371,7 +368,7 @@ def _decode_splits(q, k_cache, v_cache, block_table, seq_lens, scale, pages_per_
     g = h // kvh
     w = block_table.shape[1]
     assert seq_lens.is_contiguous() and block_table.stride(1) == 1 and q.is_contiguous()
-    splits = -(-w // pages_per_split) if pages_per_split else decode_splits(kvh)
+    splits = -(-w // pages_per_split) if pages_per_split else decode_splits(kvh, q.is_cuda)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(b, kvh, splits)](

@@ -455,8 +455,7 @@ def run_bench(a: argparse.Namespace) -> int:
     max_decode_b = max(a.decode_batches or [1])
     ps = 64
     ppl = -(-(a.decode_prompt + steps + 8) // ps)
-    # --profile prefills max(prefill_lens or [512]) on the long lanes: room for it with no prefill rows
-    profile_len = max(a.prefill_lens or [512]) if a.profile else 0
+    profile_len = max(a.prefill_lens or [512]) if a.profile else 0  # --profile's prefill (long lanes)
     long_pages = -(-(max(a.long_context, max(a.prefill_lens or [0]), profile_len) + steps + 8) // ps)
     pages = max(max_decode_b * ppl, long_pages) + 1
     runner.allocate_cache(pages, max(8, max_decode_b))

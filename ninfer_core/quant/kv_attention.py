@@ -220,7 +220,7 @@ def paged_decode_attention(q, fmt: KVFormat, k, v, k_scale, v_scale, block_table
     if pages_per_split:  # the tests' forced split: at most MAX_SPLITS parts over the table row
         splits = -(-w // max(pages_per_split, -(-w // MAX_SPLITS)))
     else:  # from the layer alone (K.decode_splits): a lane's bits do not depend on the batch or table width
-        splits = min(K.decode_splits(kvh), MAX_SPLITS)
+        splits = min(K.decode_splits(kvh, q.is_cuda), MAX_SPLITS)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     _qdecode_kernel[(b, kvh, splits)](

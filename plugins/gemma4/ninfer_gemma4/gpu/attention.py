@@ -224,11 +224,13 @@ def decode_block(head_dim: int, page: int) -> int:
     return min(page, 32 if head_dim <= 256 else 16)
 
 
-def decode_splits(kv_heads: int, window: int, head_dim: int, page: int) -> int:
+def decode_splits(kv_heads: int, window: int, head_dim: int, page: int, on_cuda: bool = True) -> int:
     """Parts of a decode lane's keys: enough programs for the device at batch 1, never more parts
     than a sliding window has key blocks. Depends on the layer only (not on the batch or a lane's
-    length), so a lane's result is the same alone and batched, eager and in a CUDA Graph."""
-    s = max(1, min(MAX_DECODE_SPLITS, DECODE_TARGET_PROGRAMS // max(1, kv_heads)))
+    length), so a lane's result is the same alone and batched, eager and in a CUDA Graph. The
+    interpreter (the CPU tests) runs programs one at a time: a few parts there."""
+    target = DECODE_TARGET_PROGRAMS if on_cuda else 8
+    s = max(1, min(MAX_DECODE_SPLITS, target // max(1, kv_heads)))
     if window > 0:
         s = min(s, -(-window // decode_block(head_dim, page)) + 1)
     return s
@@ -252,7 +254,7 @@ def decode_attention(q, k_cache, v_cache, tables, positions, window: int, scale:
     block_n = decode_block(d, page)
     if page % block_n:
         raise ValueError(f"a page of {page} rows is not a multiple of {block_n}")
-    s = splits or decode_splits(kvh, window, d, page)
+    s = splits or decode_splits(kvh, window, d, page, q.is_cuda)
     block_d = triton.next_power_of_2(d)
     opart = torch.empty(b, h, s, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
