@@ -31,6 +31,7 @@ import torch
 
 from ninfer_core.accel import HAVE_TRITON
 from ninfer_core.accel import use_triton as use_triton  # re-exported: one rule for every family
+from ninfer_core.accel.kernels import decode_splits as core_decode_splits
 
 if HAVE_TRITON:  # triton is optional: the CPU reference path never needs it
     import triton
@@ -215,10 +216,6 @@ if HAVE_TRITON:
         tl.store(o_ptr + lane * stride_yb + head * stride_yh + dims, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-DECODE_TARGET_PROGRAMS = 256  # about two per SM of the H200's 132 at batch 1
-MAX_DECODE_SPLITS = 64
-
-
 def decode_block(head_dim: int, page: int) -> int:
     """Keys a decode program reads per step of its loop (a divisor of the page, >= tl.dot's 16)."""
     return min(page, 32 if head_dim <= 256 else 16)
@@ -229,8 +226,7 @@ def decode_splits(kv_heads: int, window: int, head_dim: int, page: int, on_cuda:
     than a sliding window has key blocks. Depends on the layer only (not on the batch or a lane's
     length), so a lane's result is the same alone and batched, eager and in a CUDA Graph. The
     interpreter (the CPU tests) runs programs one at a time: a few parts there."""
-    target = DECODE_TARGET_PROGRAMS if on_cuda else 8
-    s = max(1, min(MAX_DECODE_SPLITS, target // max(1, kv_heads)))
+    s = core_decode_splits(kv_heads, on_cuda)  # core's count for its paged decode, capped below
     if window > 0:
         s = min(s, -(-window // decode_block(head_dim, page)) + 1)
     return s
